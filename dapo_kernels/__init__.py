@@ -1,0 +1,19 @@
+"""dapo_kernels: kernels for DAPO / GRPO reinforcement-learning training of LLMs.
+
+``import dapo_kernels as dk`` and call the ops as drop-in replacements for what verl,
+TRL and flash-attn provide. Each op is a ``torch.library`` custom op (namespace
+``dapo``) dispatched per device by :mod:`dapo_kernels._registry`.
+"""
+from ._registry import current_backend, registered_ops, use_backend
+from .ops.packing import pad_input, packed_position_ids, unpad_input
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "use_backend",
+    "current_backend",
+    "registered_ops",
+    "unpad_input",
+    "pad_input",
+    "packed_position_ids",
+]

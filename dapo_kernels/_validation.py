@@ -1,0 +1,84 @@
+"""Argument checks shared by the public ops.
+
+Every check raises before any output is written: ``TypeError`` when an argument has
+the wrong Python type, ``ValueError`` when a tensor has the wrong shape, dtype,
+device or contents. Messages name the argument and what was expected.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: Optional[int | Sequence[int]] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    device: Optional[torch.device] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor with the given rank, dtype, device and shape.
+
+    ``shape`` entries that are None match any size.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise ValueError(f"{name} must be {want}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {t.dtype}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    return t
+
+
+def check_int(name: str, value, *, minimum: Optional[int] = None) -> int:
+    """Check a Python integer argument (bool rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+            value = int(value)
+        else:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens", device=None) -> int:
+    """Validate cumulative sequence lengths; return the batch size.
+
+    Expected: int32 (or int64) 1-D ``[B+1]``, ``cu_seqlens[0] == 0``, non-decreasing,
+    ``cu_seqlens[-1] == total_tokens``. Reading the tensor costs one host sync.
+    """
+    check_tensor(name, cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+    if cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must have at least one element (B+1 with B >= 0), got 0")
+    c = cu_seqlens.detach()
+    # One transfer of three scalars instead of three syncs.
+    first, last, bad = torch.stack(
+        [c[0].long(), c[-1].long(), (c[1:] < c[:-1]).sum().long() if c.numel() > 1 else c[0].long() * 0]
+    ).tolist()
+    if first != 0:
+        raise ValueError(f"{name}[0] must be 0, got {first}")
+    if bad:
+        raise ValueError(f"{name} must be non-decreasing, found {bad} decreasing step(s)")
+    if last != total_tokens:
+        raise ValueError(f"{name}[-1] must equal the number of tokens {total_tokens}, got {last}")
+    return cu_seqlens.numel() - 1

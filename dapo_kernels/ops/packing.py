@@ -1,0 +1,292 @@
+"""Remove-padding packing: ``unpad_input`` / ``pad_input`` / ``packed_position_ids``.
+
+Drop-in for flash-attn's ``bert_padding`` (>= 2.7 return convention). Both directions
+move whole rows of ``F = prod(x.shape[2:])`` elements through one row-map kernel:
+
+* unpad: ``out[i] = x[indices[i]]`` for ``i < nnz``;
+* pad:   ``out[p] = x_unpad[inv[p]]`` where ``inv[p] >= 0`` and zero elsewhere, so the
+  padded output is written exactly once (no separate zero fill).
+
+Index metadata (``cu_seqlens``, ``indices``, ``seqused``) is built on the device with
+``cumsum`` and a scatter, never ``nonzero()``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty_output
+from .._registry import dispatch, register
+from .._validation import INT_DTYPES, check_int, check_tensor
+from ._triton_utils import cdiv, next_pow2
+
+# Rows per program: enough to hide the row-map load latency, small enough that a
+# [ROWS, BLOCK_F] tile stays in registers.
+_BLOCK_ROWS = 4
+# Widest feature tile: 2048 elements = 4-8 KiB per row per program, long vectorised
+# loads; wider rows are split over the grid's second axis.
+_MAX_BLOCK_F = 2048
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _pack_rows_fwd_kernel(
+    p_src,
+    p_dst,
+    p_row_map,
+    n_dst_rows,
+    n_feat,
+    PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """dst[r, :] = src[row_map[r], :]; with PAD, rows whose row_map is -1 become zeros."""
+    i_r = tl.program_id(0)
+    i_f = tl.program_id(1)
+    o_r = i_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    o_f = i_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    m_r = o_r < n_dst_rows
+    m_f = o_f < n_feat
+    b_src_row = tl.load(p_row_map + o_r, mask=m_r, other=-1).to(tl.int64)
+    if PAD:
+        m_load = m_r & (b_src_row >= 0)
+    else:
+        m_load = m_r
+    b_x = tl.load(
+        p_src + b_src_row[:, None] * n_feat + o_f[None, :],
+        mask=m_load[:, None] & m_f[None, :],
+        other=0,
+    )
+    tl.store(p_dst + o_r[:, None] * n_feat + o_f[None, :], b_x, mask=m_r[:, None] & m_f[None, :])
+
+
+# --------------------------------------------------------------------------- launchers
+def _as_storable(t: torch.Tensor) -> torch.Tensor:
+    # bool has no Triton pointer type of its own here; move it as bytes.
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _launch_pack_rows(src: torch.Tensor, row_map: torch.Tensor, n_dst_rows: int, pad: bool) -> torch.Tensor:
+    n_feat = src.shape[1]
+    dst = empty_output((n_dst_rows, n_feat), dtype=src.dtype, device=src.device)
+    if n_dst_rows == 0 or n_feat == 0:
+        return dst
+    block_f = min(next_pow2(n_feat), _MAX_BLOCK_F)
+    grid = (cdiv(n_dst_rows, _BLOCK_ROWS), cdiv(n_feat, block_f))
+    _pack_rows_fwd_kernel[grid](
+        _as_storable(src), _as_storable(dst), row_map, n_dst_rows, n_feat,
+        PAD=pad, BLOCK_R=_BLOCK_ROWS, BLOCK_F=block_f,
+    )
+    return dst
+
+
+def _inverse_row_map(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """inv[p] = i where indices[i] == p, else -1."""
+    inv = torch.full((num_rows,), -1, dtype=torch.int64, device=indices.device)
+    inv.scatter_(0, indices, torch.arange(indices.numel(), device=indices.device))
+    return inv
+
+
+@register("index_rows", "triton")
+def _index_rows_triton(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return _launch_pack_rows(x.contiguous(), indices, indices.numel(), pad=False)
+
+
+@register("index_rows", "torch")
+def _index_rows_torch(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, indices)
+
+
+@register("scatter_rows", "triton")
+def _scatter_rows_triton(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return _launch_pack_rows(x.contiguous(), _inverse_row_map(indices, num_rows), num_rows, pad=True)
+
+
+@register("scatter_rows", "torch")
+def _scatter_rows_torch(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    out = x.new_zeros((num_rows, x.shape[1]))
+    return out.index_copy_(0, indices, x)
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("dapo::index_rows", mutates_args=())
+def index_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``x[indices]`` for 2-D ``x [R, F]`` and int64 ``indices [n]`` (the unpad direction)."""
+    return dispatch("index_rows", x.device)(x, indices)
+
+
+@index_rows.register_fake
+def _(x, indices):
+    return x.new_empty((indices.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("dapo::scatter_rows", mutates_args=())
+def scatter_rows(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``out = zeros(num_rows, F); out[indices] = x`` for ``x [n, F]`` (the pad direction)."""
+    return dispatch("scatter_rows", x.device)(x, indices, num_rows)
+
+
+@scatter_rows.register_fake
+def _(x, indices, num_rows):
+    return x.new_empty((num_rows, x.shape[1]))
+
+
+def _index_rows_setup(ctx, inputs, output):
+    x, indices = inputs
+    ctx.save_for_backward(indices)
+    ctx.num_rows = x.shape[0]
+
+
+def _index_rows_backward(ctx, grad):
+    (indices,) = ctx.saved_tensors
+    return scatter_rows(grad.contiguous(), indices, ctx.num_rows), None
+
+
+def _scatter_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _scatter_rows_backward(ctx, grad):
+    (indices,) = ctx.saved_tensors
+    return index_rows(grad.contiguous(), indices), None, None
+
+
+index_rows.register_autograd(_index_rows_backward, setup_context=_index_rows_setup)
+scatter_rows.register_autograd(_scatter_rows_backward, setup_context=_scatter_rows_setup)
+
+
+@torch.library.custom_op("dapo::packed_position_ids", mutates_args=())
+def _packed_position_ids_op(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    return dispatch("packed_position_ids", cu_seqlens.device)(cu_seqlens, total_tokens)
+
+
+@_packed_position_ids_op.register_fake
+def _(cu_seqlens, total_tokens):
+    return cu_seqlens.new_empty((total_tokens,), dtype=torch.int64)
+
+
+@register("packed_position_ids", "torch")
+def _packed_position_ids_torch(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    cu = cu_seqlens.long()
+    starts = cu[:-1]
+    lengths = cu[1:] - starts
+    # output_size avoids the host sync repeat_interleave would need to size its output.
+    seq_start = torch.repeat_interleave(starts, lengths, output_size=total_tokens)
+    return torch.arange(total_tokens, device=cu.device) - seq_start
+
+
+# --------------------------------------------------------------------------- public API
+def _check_mask(name: str, mask, x: torch.Tensor) -> torch.Tensor:
+    check_tensor(name, mask, ndim=2, dtypes=(torch.bool,) + INT_DTYPES, device=x.device)
+    if tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{name} must have shape [B, S] = {list(x.shape[:2])} (x.shape[:2]), got {list(mask.shape)}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def unpad_input(
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor,
+    unused_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Remove padding: gather the tokens selected by ``attention_mask`` into one packed stream.
+
+    Args:
+        hidden_states: ``[B, S, *]``, any dtype (floats, and integer ids such as
+            ``input_ids.unsqueeze(-1)``).
+        attention_mask: ``[B, S]`` bool or integer, nonzero = token; any pattern (right or
+            left padding, holes, empty rows).
+        unused_mask: optional ``[B, S]``, tokens that are allocated but not attended to
+            (flash-attn's meaning): packed and counted in ``cu_seqlens`` but not in ``seqused``.
+
+    Returns (as flash-attn >= 2.7):
+        ``x_unpad [nnz, *]`` tokens in row-major order of the mask,
+        ``indices`` int64 ``[nnz]`` flat positions in ``B*S``,
+        ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` Python int,
+        ``seqused`` int32 ``[B]`` (tokens per row that ``attention_mask`` selects).
+
+    Host synchronisation: exactly one, reading ``(nnz, max_seqlen)`` together; ``nnz``
+    sizes the output and ``max_seqlen`` is returned as a Python int. ``cu_seqlens`` and
+    ``indices`` are built on the device by cumsum + scatter (no ``nonzero()``).
+    Differentiable w.r.t. ``hidden_states``; the backward is :func:`pad_input`.
+    """
+    check_tensor("hidden_states", hidden_states)
+    if hidden_states.dim() < 2:
+        raise ValueError(f"hidden_states must be [B, S, *] (at least 2-D), got shape {tuple(hidden_states.shape)}")
+    mask = _check_mask("attention_mask", attention_mask, hidden_states)
+    all_mask = mask
+    if unused_mask is not None:
+        all_mask = mask | _check_mask("unused_mask", unused_mask, hidden_states)
+    B, S = mask.shape
+    seqused = mask.sum(dim=1, dtype=torch.int32)
+    seqlens = all_mask.sum(dim=1, dtype=torch.int32) if unused_mask is not None else seqused
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = all_mask.reshape(-1)
+    rank = torch.cumsum(flat, dim=0) - 1  # destination of each kept token
+    max_len = seqlens.max() if B > 0 else seqlens.new_zeros(())
+    nnz, max_seqlen = torch.stack([rank[-1] + 1 if flat.numel() else rank.new_zeros(()),
+                                   max_len.to(rank.dtype)]).tolist()
+    # Dropped positions scatter into a spare slot at the end that is then cut off.
+    dest = torch.where(flat, rank, torch.full_like(rank, nnz))
+    indices = torch.empty(nnz + 1, dtype=torch.int64, device=flat.device)
+    indices.scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+    indices = indices[:nnz]
+    feat_shape = hidden_states.shape[2:]
+    x2d = hidden_states.reshape(B * S, -1) if B * S > 0 else hidden_states.new_empty((0, int(torch.Size(feat_shape).numel())))
+    x_unpad = index_rows(x2d, indices).reshape((nnz,) + tuple(feat_shape))
+    return x_unpad, indices, cu_seqlens, int(max_seqlen), seqused
+
+
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """Inverse of :func:`unpad_input`: scatter packed tokens back to ``[batch, seqlen, *]``.
+
+    Args:
+        hidden_states: ``[nnz, *]`` packed tokens, any dtype.
+        indices: int64 (or int32) ``[nnz]``, distinct flat positions in ``[0, batch*seqlen)``,
+            as returned by :func:`unpad_input`.
+        batch, seqlen: the padded shape.
+
+    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
+    Host synchronisation: one, for the range check of ``indices``.
+    Differentiable w.r.t. ``hidden_states``; the backward is a gather (:func:`unpad_input`'s op).
+    """
+    check_tensor("hidden_states", hidden_states)
+    if hidden_states.dim() < 1:
+        raise ValueError("hidden_states must be [nnz, *] (at least 1-D), got a 0-d tensor")
+    batch = check_int("batch", batch, minimum=0)
+    seqlen = check_int("seqlen", seqlen, minimum=0)
+    check_tensor("indices", indices, ndim=1, dtypes=(torch.int64, torch.int32), device=hidden_states.device)
+    nnz = hidden_states.shape[0]
+    if indices.shape[0] != nnz:
+        raise ValueError(f"indices must have length nnz = hidden_states.shape[0] = {nnz}, got {indices.shape[0]}")
+    num_rows = batch * seqlen
+    if nnz > num_rows:
+        raise ValueError(f"hidden_states has {nnz} tokens, more than batch*seqlen = {num_rows}")
+    if nnz:
+        lo, hi = torch.stack(torch.aminmax(indices)).tolist()
+        if lo < 0 or hi >= num_rows:
+            raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
+    feat_shape = hidden_states.shape[1:]
+    x2d = hidden_states.reshape(nnz, -1) if nnz else hidden_states.new_empty((0, int(torch.Size(feat_shape).numel())))
+    out = scatter_rows(x2d, indices.long(), num_rows)
+    return out.reshape((batch, seqlen) + tuple(feat_shape))
+
+
+def packed_position_ids(cu_seqlens: torch.Tensor, total_tokens: Optional[int] = None) -> torch.Tensor:
+    """Position of each packed token inside its sequence: ``0..L_i-1`` per sequence, int64 ``[T]``.
+
+    Args:
+        cu_seqlens: int32/int64 ``[B+1]`` cumulative lengths starting at 0.
+        total_tokens: ``T`` (= ``cu_seqlens[-1]``); pass it to avoid the host sync that
+            reading it would cost. ``cu_seqlens`` is validated against it (one sync).
+    """
+    from .._validation import check_cu_seqlens
+
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    if total_tokens is None:
+        total_tokens = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+    total_tokens = check_int("total_tokens", total_tokens, minimum=0)
+    check_cu_seqlens(cu_seqlens, total_tokens)
+    return _packed_position_ids_op(cu_seqlens, total_tokens)

@@ -1,0 +1,8 @@
+"""Plain torch references, one per op, used only by tests and benchmarks.
+
+The simplest correct code (Python loops allowed), float64 where numerics matter.
+Import a reference from here, never from the op files.
+"""
+from .packing import pad_input_ref, packed_position_ids_ref, unpad_input_ref
+
+__all__ = ["unpad_input_ref", "pad_input_ref", "packed_position_ids_ref"]

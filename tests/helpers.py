@@ -1,0 +1,114 @@
+"""Shared test helpers: readable ids, backends, dtype tolerances, poisoning checks.
+
+Tolerance rule of the project: an op in dtype ``d`` may differ from the float64
+reference by at most 2x the error that plain torch makes computing the same thing in
+``d`` (``assert_close_to_ref``); the bound never comes from a number picked to pass.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+import dapo_kernels as dk
+
+BACKENDS = ("torch", "triton")
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def case_id(**kw) -> str:
+    """case_id(B=2, T=63, D=96, dtype=torch.bfloat16) -> 'B2-T63-D96-bf16'."""
+    parts = []
+    for k, v in kw.items():
+        if isinstance(v, torch.dtype):
+            parts.append(DTYPE_NAMES.get(v, str(v).replace("torch.", "")))
+        elif isinstance(v, bool):
+            parts.append(k if v else f"no{k}")
+        else:
+            parts.append(f"{k}{v}")
+    return "-".join(parts)
+
+
+def backend(name: str):
+    """Context manager forcing ``name`` ('torch' | 'triton')."""
+    return dk.use_backend(name)
+
+
+def eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.double() - b.double()).abs().max().item()
+
+
+def assert_close_to_ref(
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    torch_out: torch.Tensor,
+    *,
+    name: str = "output",
+    factor: float = 2.0,
+) -> None:
+    """|out - ref64| <= factor * max(|torch_out - ref64|, one ulp of the result's scale).
+
+    ``torch_out`` is plain torch computing the same quantity in the same low precision as
+    ``out``; its error against the float64 reference is what that dtype costs. The ulp
+    floor covers cases where torch happens to be exact (e.g. tiny sizes), where any
+    correct kernel still rounds once.
+    """
+    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}"
+    assert_no_nan(out, name)
+    torch_err = max_abs_err(torch_out, ref64)
+    scale = ref64.abs().max().item() if ref64.numel() else 0.0
+    floor = eps(out.dtype if out.dtype.is_floating_point else torch.float32) * max(scale, 1e-30)
+    bound = factor * max(torch_err, floor)
+    err = max_abs_err(out, ref64)
+    assert err <= bound, (
+        f"{name}: max abs error {err:.3e} vs float64 reference exceeds {factor}x torch's own "
+        f"error in {out.dtype} ({torch_err:.3e}, ulp floor {floor:.3e})"
+    )
+
+
+def assert_no_nan(t: torch.Tensor, name: str = "output") -> None:
+    if t.is_floating_point() and t.numel():
+        n = torch.isnan(t).sum().item()
+        assert n == 0, f"{name}: {n} NaN element(s) - unwritten (poisoned) output or bad numerics"
+
+
+def assert_equal(out: torch.Tensor, ref: torch.Tensor, name: str = "output") -> None:
+    """Exact equality (copies, integer metadata), NaN-aware so poisoned elements fail."""
+    assert out.dtype == ref.dtype, f"{name}: dtype {out.dtype} != {ref.dtype}"
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert_no_nan(out, name)
+    assert torch.equal(out, ref), f"{name}: differs from the reference at {int((out != ref).sum())} element(s)"
+
+
+def random_lengths(n: int, max_len: int, *, allow_zero: bool = True, gen: Optional[torch.Generator] = None) -> list:
+    lo = 0 if allow_zero else 1
+    return torch.randint(lo, max_len + 1, (n,), generator=gen).tolist()
+
+
+def cu_seqlens_from(lengths: Iterable[int], device="cpu") -> torch.Tensor:
+    lengths = list(lengths)
+    cu = [0]
+    for L in lengths:
+        cu.append(cu[-1] + int(L))
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def snapshot(*tensors: torch.Tensor):
+    """Copies to check later that a failing call left its inputs unchanged."""
+    return [t.clone() for t in tensors]
+
+
+def assert_unchanged(before, *tensors) -> None:
+    for i, (a, b) in enumerate(zip(before, tensors)):
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(), b.nan_to_num())), f"input {i} was modified"
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "math", "torch", "dk")]

@@ -35,8 +35,9 @@ test: install
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600
 
 # Benchmark-only peers (never dependencies of the library itself).
-$(VENV)/.bench-deps: requirements-bench.txt $(VENV)/.deps
+$(VENV)/.bench-deps: requirements-bench.txt requirements-bench-nodeps.txt $(VENV)/.deps
 	$(PIP) install -q -r requirements-bench.txt
+	$(PIP) install -q --no-deps -r requirements-bench-nodeps.txt
 	touch $@
 
 bench-deps: install $(VENV)/.bench-deps

@@ -1,0 +1,76 @@
+"""Shared pieces of the GPU checks: the report table and CUDA timing."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    impl: str = ""
+    ms: Optional[float] = None
+    metric: str = ""
+    status: str = "ok"
+    note: str = ""
+
+
+@dataclass
+class Report:
+    rows: List[Row] = field(default_factory=list)
+
+    def add(self, op, case, *, impl="", ms=None, metric="", status="ok", note=""):
+        self.rows.append(Row(op, case, impl, ms, metric, status, note))
+        r = self.rows[-1]
+        print(f"   {op:14s} {case:28s} {impl:18s} {'' if ms is None else f'{ms:9.3f} ms'} {metric} {status} {note}",
+              flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status == "FAIL" for r in self.rows)
+
+    def markdown(self) -> str:
+        lines = ["| op | case | impl | time (ms) | metric | status | note |", "|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            ms = "" if r.ms is None else f"{r.ms:.3f}"
+            lines.append(f"| {r.op} | {r.case} | {r.impl} | {ms} | {r.metric} | {r.status} | {r.note} |")
+        return "\n".join(lines)
+
+
+def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of fn() in ms, measured with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth (read + write bytes per second)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def peak_mem_mb(fn: Callable[[], object]) -> float:
+    """Peak extra CUDA memory (MiB) allocated while running fn()."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20

@@ -1,0 +1,80 @@
+"""One-shot GPU check: correctness and timing of every Triton op against its peers.
+
+Run on a CUDA machine (the H200 lent through the device tool):
+
+    python benchmarks/gpu_check.py            # all checks
+    python benchmarks/gpu_check.py packing    # only checks whose name contains 'packing'
+
+Each op family contributes ``benchmarks/gpu/check_<op>.py`` with a function
+``run(report)``; this script discovers them, runs each under a time budget, and prints
+one table last (also written to ``$OUT/gpu_check.md`` when ``OUT`` is set). A failing
+check is reported as a FAIL row and the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from gpu.common import Report  # noqa: E402
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("only", nargs="*", help="substrings of check names to run")
+    args = ap.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check.py needs a CUDA device; none found", file=sys.stderr)
+        return 2
+    report = Report()
+    header = (
+        f"date {datetime.date.today()} | GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"triton {__import__('triton').__version__} | commit {_git_commit()}"
+    )
+    checks = sorted((HERE / "gpu").glob("check_*.py"))
+    for path in checks:
+        name = path.stem[len("check_"):]
+        if args.only and not any(o in name for o in args.only):
+            continue
+        t0 = time.time()
+        print(f"== {name}", flush=True)
+        try:
+            spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mod.run(report)
+        except Exception as e:  # keep going: one broken op must not hide the others
+            traceback.print_exc()
+            report.add(name, "check crashed", status="FAIL", note=f"{type(e).__name__}: {e}"[:120])
+        torch.cuda.empty_cache()
+        print(f"   {name}: {time.time() - t0:.1f}s", flush=True)
+    table = header + "\n\n" + report.markdown()
+    print("\n" + table)
+    out = os.environ.get("OUT")
+    if out:
+        pathlib.Path(out, "gpu_check.md").write_text(table + "\n")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ TRL and flash-attn provide. Each op is a ``torch.library`` custom op (namespace
 """
 from ._registry import current_backend, registered_ops, use_backend
 from .ops.packing import pad_input, packed_position_ids, unpad_input
+from .ops.varlen_attention import varlen_attention
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ __all__ = [
     "unpad_input",
     "pad_input",
     "packed_position_ids",
+    "varlen_attention",
 ]

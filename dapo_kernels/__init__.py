@@ -5,12 +5,19 @@ TRL and flash-attn provide. Each op is a ``torch.library`` custom op (namespace
 ``dapo``) dispatched per device by :mod:`dapo_kernels._registry`.
 """
 from ._registry import current_backend, registered_ops, use_backend
+from .ops.group_filter import GroupFilterResult, group_filter, overlong_penalty
 from .ops.packing import pad_input, packed_position_ids, unpad_input
 from .ops.varlen_attention import varlen_attention
+from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "group_filter",
+    "overlong_penalty",
+    "GroupFilterResult",
+    "DynamicBatchAccumulator",
+    "DynamicSamplingExhausted",
     "use_backend",
     "current_backend",
     "registered_ops",

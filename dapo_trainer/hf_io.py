@@ -1,0 +1,282 @@
+"""Hugging Face checkpoints: ``config.json`` + ``*.safetensors`` in, the same format out.
+
+Reads the two ``config.json`` dialects found in the wild: the classic ``rope_theta`` +
+``rope_scaling`` (Qwen2.5, Llama 3.x releases) and transformers 5's ``rope_parameters``.
+Writes a single ``model.safetensors`` or, above ``max_shard_size``, numbered shards plus
+``model.safetensors.index.json`` - the layout transformers and vLLM load.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Dict, Iterable, Optional
+
+import torch
+
+from .model import ROPE_TYPES, ModelConfig, Transformer
+
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+# Buffers some older checkpoints saved alongside the weights; recomputed, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+# --------------------------------------------------------------------------- config
+def _rope_from_hf(cfg: dict) -> tuple:
+    """(rope_theta, rope_scaling or None) from either config dialect."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+            # Per-layer-type rope (transformers 5); the families here use one for all layers.
+            distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+            if len(distinct) != 1:
+                raise ValueError(f"config.json: rope_parameters differ between layer types {sorted(params)}; "
+                                 "only one rope for all layers is supported")
+            params = next(iter(params.values()))
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+        scaling.setdefault("rope_type", params.get("type", "default"))
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        raw = cfg.get("rope_scaling") or {}
+        scaling = dict(raw)
+        if raw:
+            # Older releases spell the key "type".
+            scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        else:
+            scaling = {"rope_type": "default"}
+    kind = scaling["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (supported: {ROPE_TYPES})")
+    need = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    missing = [k for k in need.get(kind, ()) if k not in scaling]
+    if missing:
+        raise ValueError(f"config.json: rope type {kind!r} needs {missing} in its rope parameters")
+    return float(theta), (None if kind == "default" else scaling)
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """:class:`ModelConfig` from a parsed ``config.json`` dict (Llama or Qwen2).
+
+    Raises ValueError naming the architecture or field that is unsupported or missing.
+    """
+    if not isinstance(cfg, dict):
+        raise TypeError(f"cfg must be a dict (parsed config.json), got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported; "
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    unsupported = [a for a in archs if a != SUPPORTED_MODEL_TYPES[model_type]]
+    if unsupported:
+        raise ValueError(f"config.json: architectures {unsupported} are not supported; "
+                         f"expected {SUPPORTED_MODEL_TYPES[model_type]!r} for model_type {model_type!r}")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json: missing required field(s) {missing}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
+    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported (full attention only)")
+    heads = cfg["num_attention_heads"]
+    theta, scaling = _rope_from_hf(cfg)
+    if model_type == "qwen2":
+        qkv_bias, o_bias, mlp_bias = True, False, False
+    else:
+        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        model_type=model_type,
+        hf_config=copy.deepcopy(cfg),
+    )
+
+
+def config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
+    """``config.json`` dict in the classic dialect (what vLLM and every transformers read).
+
+    Starts from the checkpoint's own config when the model was loaded from one.
+    """
+    out = copy.deepcopy(cfg.hf_config) if cfg.hf_config else {}
+    out.pop("rope_parameters", None)
+    out.update(
+        architectures=[SUPPORTED_MODEL_TYPES[cfg.model_type]],
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=copy.deepcopy(cfg.rope_scaling),
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+    if cfg.model_type == "llama":
+        if cfg.qkv_bias != cfg.o_bias:
+            raise ValueError("a llama config has one attention_bias for q/k/v and o; got different flags")
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if dtype is not None:
+        # transformers < 5 reads "torch_dtype", 5.x "dtype"; keep both in step.
+        out["torch_dtype"] = str(dtype).replace("torch.", "")
+        if "dtype" in out:
+            out["dtype"] = out["torch_dtype"]
+    return out
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """:class:`ModelConfig` of the checkpoint directory ``path``."""
+    file = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(file):
+        raise ValueError(f"{path!r} has no {CONFIG_NAME}")
+    with open(file) as f:
+        return config_from_hf(json.load(f))
+
+
+# --------------------------------------------------------------------------- weights
+def hf_name(name: str) -> str:
+    """Our parameter name -> the checkpoint's (everything but lm_head sits under ``model.``)."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _our_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _weight_files(path: str) -> list:
+    index = os.path.join(path, SAFE_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+    if os.path.isfile(os.path.join(path, SAFE_WEIGHTS_NAME)):
+        return [SAFE_WEIGHTS_NAME]
+    raise ValueError(f"{path!r} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_INDEX_NAME}")
+
+
+def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+    """Build the model described by ``path/config.json`` and load its safetensors weights.
+
+    Args:
+        path: local checkpoint directory (single file or sharded with an index).
+        dtype: parameter dtype (the checkpoint's tensors are cast).
+        device: where the parameters are created.
+    Raises:
+        ValueError naming unsupported config fields, missing weight names, unexpected
+        weight names, or shape mismatches.
+    """
+    from safetensors import safe_open
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    cfg = read_hf_config(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {name: p for name, p in model.named_parameters()}  # tied weights appear once
+    state: Dict[str, torch.Tensor] = {}
+    unexpected = []
+    for file in _weight_files(path):
+        with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = _our_name(key)
+                if key.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if name not in expected:
+                    unexpected.append(key)
+                    continue
+                state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    missing = [hf_name(n) for n in expected if n not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing {len(missing)} weight(s): {missing[:8]}"
+                         + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        raise ValueError(f"checkpoint {path!r} has {len(unexpected)} weight(s) this model does not use: "
+                         f"{unexpected[:8]}" + (" ..." if len(unexpected) > 8 else ""))
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(f"checkpoint weight {hf_name(name)} has shape {list(t.shape)}, "
+                             f"config.json implies {list(expected[name].shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True replaced the shared Parameter
+    return model
+
+
+def _chunks(items: Iterable, max_bytes: Optional[int]):
+    shard, size = [], 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if shard and max_bytes is not None and size + nbytes > max_bytes:
+            yield shard
+            shard, size = [], 0
+        shard.append((name, t))
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def save_hf_model(model: Transformer, path: str, *, max_shard_size: Optional[int] = 5 * 2**30,
+                  state_dict: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Write ``config.json`` + safetensors weights that transformers / vLLM load.
+
+    Args:
+        model: an unsharded :class:`Transformer` (for a parallel one, pass the full
+            ``state_dict`` from :func:`dapo_trainer.parallel.full_state_dict`).
+        path: output directory (created).
+        max_shard_size: bytes per file; larger models get numbered shards and an index.
+        state_dict: full (unsharded) parameters by our names; default ``model.state_dict()``.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
+    cfg = model.config
+    sd = model.state_dict() if state_dict is None else state_dict
+    tensors = []
+    for name, t in sd.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        # safetensors refuses views that share storage; the checkpoint wants plain copies.
+        tensors.append((hf_name(name), t.detach().to("cpu").contiguous().clone()))
+    dtype = tensors[0][1].dtype if tensors else None
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(config_to_hf(cfg, dtype), f, indent=2, sort_keys=True)
+    shards = list(_chunks(tensors, max_shard_size))
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(dict(shards[0]), os.path.join(path, SAFE_WEIGHTS_NAME), metadata=meta)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(dict(shard), os.path.join(path, file), metadata=meta)
+        for name, t in shard:
+            weight_map[name] = file
+            total += t.numel() * t.element_size()
+    with open(os.path.join(path, SAFE_INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

@@ -1,0 +1,102 @@
+"""Data parallelism: FSDP2 (``fully_shard``) or DDP, and sequence balancing across ranks.
+
+Both wrappers average gradients over the data-parallel group. A loss that should be
+a mean over all tokens of the global batch is therefore written per rank as
+``local_sum * global_mean_scale(local_count, group)``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dapo_kernels as dk
+
+from ..model import Transformer
+
+
+def _as_mesh(mesh_or_group, device_type: str):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        return mesh_or_group
+    return DeviceMesh.from_group(mesh_or_group, device_type)
+
+
+def apply_fsdp(
+    model: Transformer,
+    dp_mesh,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Transformer:
+    """Shard ``model`` with FSDP2, one unit per decoder layer plus the root; returns it.
+
+    Args:
+        dp_mesh: 1-D ``DeviceMesh`` (or a ProcessGroup) of the data-parallel ranks.
+        param_dtype: compute dtype (``torch.bfloat16`` for bf16 training over fp32
+            master weights); None keeps the parameters' dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter.
+        reshard_after_forward: free each layer's gathered weights after its forward
+            (ZeRO-3) instead of keeping them for backward (ZeRO-2).
+
+    The root unit (embeddings, final norm, lm_head) stays unsharded from forward to
+    backward: :meth:`Transformer.log_probs` reads ``lm_head.weight`` after ``forward``
+    returns, and needs the gathered weight, not this rank's shard.
+    """
+    # Public since torch 2.6; the _composable path is kept for older builds only.
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # pragma: no cover
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device_type = next(model.parameters()).device.type
+    mesh = _as_mesh(dp_mesh, device_type)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def apply_ddp(model: Transformer, dp_group=None, **ddp_kwargs) -> nn.Module:
+    """Wrap ``model`` in ``DistributedDataParallel`` over ``dp_group``.
+
+    Call ``forward`` through the wrapper and ``log_probs`` on ``wrapper.module``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    ids = None if device.type == "cpu" else [device]
+    return DistributedDataParallel(model, device_ids=ids, process_group=dp_group, **ddp_kwargs)
+
+
+def global_mean_scale(local_count, group=None) -> float:
+    """``world_size / global_count``: turns a per-rank sum into its share of the global mean.
+
+    ``local_count`` (int or scalar tensor) is summed over ``group`` (one all-reduce);
+    the factor undoes the averaging FSDP / DDP apply to gradients.
+    """
+    t = torch.as_tensor(local_count, dtype=torch.float64).reshape(1)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, group=group)
+    total = t.item()
+    if total <= 0:
+        raise ValueError(f"local_count: the global count over the group is {total}; nothing to average")
+    return dist.get_world_size(group) / total
+
+
+def balanced_dp_split(seqlens: Sequence[int], group=None, *, hidden_size: Optional[int] = None) -> List[int]:
+    """Indices of the sequences this data-parallel rank trains on.
+
+    Partitions the batch over the ranks of ``group`` with ``dk.balanced_partitions``, by
+    attention workload (``dk.attention_workload``) when ``hidden_size`` is given, else
+    by token count. Every rank computes the same partition from the same ``seqlens``.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    workloads = seqlens if hidden_size is None else dk.attention_workload(seqlens, hidden_size)
+    return list(dk.balanced_partitions(workloads, world)[rank])

@@ -1,0 +1,58 @@
+"""Process groups: the backend follows the device, the launch is ``torchrun``'s."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def backend_for_device(device) -> str:
+    """'gloo' for cpu, 'nccl' for cuda, 'hccl' for npu (Ascend, via torch_npu)."""
+    dev_type = torch.device(device).type
+    if dev_type == "privateuseone":  # torch_npu registers "npu" under this key
+        dev_type = "npu"
+    if dev_type not in _BACKENDS:
+        raise ValueError(f"device: no collective backend for device type {dev_type!r} "
+                         f"(known: {sorted(_BACKENDS)})")
+    return _BACKENDS[dev_type]
+
+
+def init_distributed(device, *, timeout_s: Optional[float] = None) -> torch.device:
+    """Join the process group ``torchrun`` describes (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Picks the backend from ``device`` and, for accelerators, binds this process to
+    ``LOCAL_RANK``'s device. Returns the device this rank computes on. A no-op when
+    the group already exists.
+    """
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
+    if not dist.is_initialized():
+        kw = {}
+        if timeout_s is not None:
+            import datetime
+
+            kw["timeout"] = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend_for_device(device), **kw)
+    return device
+
+
+def make_mesh(device, *, tp: int = 1):
+    """2-D ``DeviceMesh`` ("dp", "tp") over all ranks, tensor-parallel ranks adjacent.
+
+    Adjacent ranks share a node, so the TP all-reduces (two per layer) stay on the
+    fastest links; ``mesh["tp"].get_group()`` goes to ``parallelize`` and ``mesh["dp"]``
+    to ``apply_fsdp``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if tp < 1 or world % tp:
+        raise ValueError(f"tp must divide the world size {world}, got {tp}")
+    return init_device_mesh(torch.device(device).type, (world // tp, tp), mesh_dim_names=("dp", "tp"))

@@ -1,0 +1,226 @@
+"""Megatron-style tensor parallelism applied to a built :class:`~dapo_trainer.model.Transformer`.
+
+``parallelize(model, tp_group)`` swaps modules in place (no second model class):
+
+=========================  ==============================  =====================================
+module                     becomes                         weight kept on rank r
+=========================  ==============================  =====================================
+q/k/v_proj, gate/up_proj   :class:`ColumnParallelLinear`   output rows (heads / ffn units) r
+o_proj, down_proj          :class:`RowParallelLinear`      input columns r, bias replicated
+embed_tokens               :class:`VocabParallelEmbedding` vocabulary rows r
+lm_head                    weight sharded by vocab rows    vocabulary rows r (same rows as the
+                                                           embedding, so tying survives)
+=========================  ==============================  =====================================
+
+Each attention / MLP block then costs one all-reduce in forward and one in backward.
+Norms and residuals stay replicated; their gradients come out identical on every rank.
+The vocabulary-parallel lm_head is consumed by ``dk.linear_log_probs(...,
+process_group=tp_group)`` (see :meth:`Transformer.log_probs`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import Transformer
+
+
+# --------------------------------------------------------------------------- autograd collectives
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce backward: the replicated input of a column-parallel op."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward: partial sums of a row-parallel op.
+
+    The backward is the identity (not another all-reduce, as in
+    ``torch.distributed.nn.all_reduce``) because what follows is replicated: every
+    rank already holds the full gradient of the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward, keep this rank's slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _GatherFromTP.apply(x, group)
+
+
+# --------------------------------------------------------------------------- parallel modules
+def _shard(t: Optional[torch.Tensor], dim: int, group) -> Optional[nn.Parameter]:
+    if t is None:
+        return None
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return nn.Parameter(t.detach().chunk(n, dim=dim)[r].clone(), requires_grad=t.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_r = x W_r^T + b_r``: this rank's slice of the output features."""
+
+    shard_dim = 0
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.group = group
+        self.weight = _shard(linear.weight, 0, group)
+        self.bias = _shard(linear.bias, 0, group)
+
+    def forward(self, x):
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r W_r^T + b``: input features sharded, output replicated."""
+
+    shard_dim = 1
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.group = group
+        self.weight = _shard(linear.weight, 1, group)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows ``[start, start + V/tp)`` live on this rank; ids elsewhere give 0."""
+
+    shard_dim = 0
+
+    def __init__(self, embedding: nn.Embedding, group):
+        super().__init__()
+        self.group = group
+        self.weight = _shard(embedding.weight, 0, group)
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+# --------------------------------------------------------------------------- parallelize
+def parallelize(model: Transformer, tp_group) -> Transformer:
+    """Shard ``model`` in place for tensor parallelism over ``tp_group``; returns it.
+
+    Every rank of the group must hold the same full weights when this is called (load
+    the checkpoint on each rank, or broadcast). Head counts, the intermediate size and
+    the vocabulary must divide by the group size (ValueError otherwise).
+    """
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("tp_group: torch.distributed is not initialised")
+    if model.tp_group is not None:
+        raise ValueError("model is already tensor parallel")
+    tp = dist.get_world_size(tp_group)
+    cfg = model.config
+    for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"{name} ({getattr(cfg, name)}) must be divisible by the tensor-parallel size {tp}")
+    if tp == 1:
+        return model
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, lin, ColumnParallelLinear(getattr(attn, lin), tp_group))
+        attn.o_proj = RowParallelLinear(attn.o_proj, tp_group)
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, tp_group)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, tp_group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_group)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_group)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        model.lm_head.weight = _shard(model.lm_head.weight, 0, tp_group)
+    model.tp_group = tp_group
+    return model
+
+
+def tp_shard_dims(model: Transformer) -> dict:
+    """{parameter name: dim it is sharded along over ``model.tp_group``}; absent = replicated."""
+    dims = {}
+    for mod_name, mod in model.named_modules():
+        dim = getattr(mod, "shard_dim", None)
+        if dim is None:
+            continue
+        dims[f"{mod_name}.weight"] = dim
+        if isinstance(mod, ColumnParallelLinear) and mod.bias is not None:
+            dims[f"{mod_name}.bias"] = 0
+    if model.tp_group is not None:
+        dims["lm_head.weight"] = 0
+    return dims
+
+
+def unshard(t: torch.Tensor, dim: Optional[int], tp_group) -> torch.Tensor:
+    """Full tensor of a parameter (or its gradient) of a parallel model (collective).
+
+    Gathers FSDP2 shards (``DTensor.full_tensor``), then tensor-parallel shards along
+    ``dim`` (from :func:`tp_shard_dims`; None = replicated) over ``tp_group``.
+    """
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    if dim is None or tp_group is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def full_state_dict(model: Transformer) -> dict:
+    """Unsharded ``state_dict`` of a tensor- and/or FSDP-parallel model (collective).
+
+    What :func:`dapo_trainer.hf_io.save_hf_model` needs; call it on every rank, save on one.
+    """
+    dims = tp_shard_dims(model)
+    return {name: unshard(t, dims.get(name), model.tp_group).detach() for name, t in model.state_dict().items()}

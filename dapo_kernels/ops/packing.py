@@ -105,10 +105,24 @@ def _scatter_rows_triton(x: torch.Tensor, indices: torch.Tensor, num_rows: int) 
     return _launch_pack_rows(x.contiguous(), _inverse_row_map(indices, num_rows), num_rows, pad=True)
 
 
+def _complement_rows(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rows of ``[0, num_rows)`` not in ``indices``, ascending; sized on the host, no sync."""
+    is_pad = torch.ones(num_rows, dtype=torch.bool, device=indices.device)
+    is_pad[indices] = False
+    n_pad = num_rows - indices.numel()
+    dest = torch.where(is_pad, torch.cumsum(is_pad, 0) - 1, n_pad)
+    out = torch.empty(n_pad + 1, dtype=torch.int64, device=indices.device)
+    out.scatter_(0, dest, torch.arange(num_rows, device=indices.device))
+    return out[:n_pad]
+
+
 @register("scatter_rows", "torch")
 def _scatter_rows_torch(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    out = x.new_zeros((num_rows, x.shape[1]))
-    return out.index_copy_(0, indices, x)
+    # Each output row is written once: tokens copied, padding zero-filled, instead of a
+    # full zero fill followed by the copy (which writes the token rows twice).
+    out = x.new_empty((num_rows, x.shape[1]))
+    out.index_copy_(0, indices, x)
+    return out.index_fill_(0, _complement_rows(indices, num_rows), 0)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -234,7 +248,8 @@ def unpad_input(
     indices.scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
     indices = indices[:nnz]
     feat_shape = hidden_states.shape[2:]
-    x2d = hidden_states.reshape(B * S, -1) if B * S > 0 else hidden_states.new_empty((0, int(torch.Size(feat_shape).numel())))
+    # Explicit widths: reshape(-1) is ambiguous for empty tensors and new_empty would cut the graph.
+    x2d = hidden_states.reshape(B * S, feat_shape.numel())
     x_unpad = index_rows(x2d, indices).reshape((nnz,) + tuple(feat_shape))
     return x_unpad, indices, cu_seqlens, int(max_seqlen), seqused
 
@@ -269,7 +284,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         if lo < 0 or hi >= num_rows:
             raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
     feat_shape = hidden_states.shape[1:]
-    x2d = hidden_states.reshape(nnz, -1) if nnz else hidden_states.new_empty((0, int(torch.Size(feat_shape).numel())))
+    x2d = hidden_states.reshape(nnz, feat_shape.numel())
     out = scatter_rows(x2d, indices.long(), num_rows)
     return out.reshape((batch, seqlen) + tuple(feat_shape))
 

@@ -1,0 +1,60 @@
+"""GPU check of the packing kernels: exactness vs the torch path, GB/s vs copy bandwidth.
+
+B=64, S=4096, hidden 1024 in bf16 and fp32; peer: flash-attn's recipe in plain torch
+(nonzero + gather / zeros + index_put). Budget: ~30 s.
+"""
+import torch
+
+import dapo_kernels as dk
+from gpu.common import copy_bandwidth_gbs, cuda_time_ms
+
+B, S, H = 64, 4096, 1024
+
+
+def _peer_unpad(x, mask):
+    idx = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    flat = x.reshape(B * S, -1)
+    return torch.gather(flat, 0, idx[:, None].expand(-1, flat.shape[1])), idx
+
+
+def _peer_pad(xu, idx):
+    out = torch.zeros(B * S, xu.shape[1], dtype=xu.dtype, device=xu.device)
+    out[idx] = xu
+    return out
+
+
+def run(report):
+    bw = copy_bandwidth_gbs()
+    report.add("packing", "device copy bandwidth", impl="x.copy_(y) 1 GiB", metric=f"{bw:.0f} GB/s")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = torch.randint(S // 8, S + 1, (B,), device="cuda", generator=g)
+    mask = torch.arange(S, device="cuda")[None, :] < lens[:, None]
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(B, S, H, device="cuda", dtype=dtype, generator=g)
+        case = f"B{B}-S{S}-H{H}-{str(dtype)[6:]}"
+        with dk.use_backend("triton"):
+            xu, idx, cu, mx, _ = dk.unpad_input(x, mask)
+            back = dk.pad_input(xu, idx, B, S)
+        ref_u, ref_idx = _peer_unpad(x, mask)
+        ok = torch.equal(xu, ref_u) and torch.equal(idx, ref_idx) and torch.equal(back.reshape(B * S, H), _peer_pad(ref_u, ref_idx))
+        nbytes = 2 * xu.numel() * x.element_size()
+        for impl, fn in (
+            ("dk triton", lambda: dk.unpad_input(x, mask)),
+            ("nonzero+gather", lambda: _peer_unpad(x, mask)),
+        ):
+            with dk.use_backend("triton"):
+                ms = cuda_time_ms(fn)
+            gbs = nbytes / ms / 1e6
+            report.add("unpad_input", case, impl=impl, ms=ms, metric=f"{gbs:.0f} GB/s ({100 * gbs / bw:.0f}% of copy)",
+                       status="ok" if ok else "FAIL")
+        pad_bytes = (xu.numel() + x.numel()) * x.element_size()
+        for impl, fn in (
+            ("dk triton", lambda: dk.pad_input(xu, idx, B, S)),
+            ("zeros+index_put", lambda: _peer_pad(xu, idx)),
+        ):
+            with dk.use_backend("triton"):
+                ms = cuda_time_ms(fn)
+            gbs = pad_bytes / ms / 1e6
+            report.add("pad_input", case, impl=impl, ms=ms, metric=f"{gbs:.0f} GB/s ({100 * gbs / bw:.0f}% of copy)",
+                       status="ok" if ok else "FAIL")
+        del x, xu, back, ref_u

@@ -6,13 +6,19 @@ TRL and flash-attn provide. Each op is a ``torch.library`` custom op (namespace
 """
 from ._registry import current_backend, registered_ops, use_backend
 from .ops.group_filter import GroupFilterResult, group_filter, overlong_penalty
+from .ops.linear_log_probs import fused_linear_policy_loss, kl_penalty, linear_log_probs
 from .ops.packing import pad_input, packed_position_ids, unpad_input
+from .ops.policy_loss import policy_loss
 from .ops.varlen_attention import varlen_attention
 from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "policy_loss",
+    "linear_log_probs",
+    "fused_linear_policy_loss",
+    "kl_penalty",
     "group_filter",
     "overlong_penalty",
     "GroupFilterResult",

@@ -1,0 +1,611 @@
+"""Fused lm_head -> log-prob (+ entropy) (+ DAPO loss), never materialising ``[N, V]``.
+
+Per token ``i`` with logits ``z = hidden @ weight.T / temperature`` (fp32-accumulated):
+
+* ``lse = log sum_v exp(z_v)``, ``log_prob = z[label] - lse``,
+  ``mu = sum_v p_v z_v`` and ``entropy = lse - mu``;
+* ``d/dz_v = g_lp * (onehot_v - p_v) - g_ent * p_v * (z_v - mu)``.
+
+Four statistics per row (running max, sum-exp, sum-exp * z, target logit) are reduced
+online over vocab tiles, then over the vocab splits of the grid, then over the ranks of
+an optional vocab-parallel ``process_group`` with one MAX and one SUM all-reduce.
+
+Backends: ``torch`` (CPU) walks chunks of tokens with a ``[chunk, V]`` fp32 logits buffer;
+``triton`` (CUDA) reduces the statistics in one kernel over ``tokens x vocab`` tiles, and
+its backward recomputes logits tiles into ``dz`` for a chunk of the vocabulary, then does
+``dW`` and ``dH`` with tensor-core matmuls. ``fused_linear_policy_loss`` knows its per-token
+gradient as soon as a token's log-prob is known, so it returns ``dH``/``dW`` from the
+forward (torch: the logits chunk is reused, three matmuls in all).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty_output
+from .._registry import dispatch, register
+from .._validation import check_tensor
+from ._triton_utils import INTERPRET, cdiv
+from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metrics_from_counts,
+                          pg_token_terms)
+
+# CPU chunk: 64 MiB of fp32 logits (x2 buffers) stays in the last-level-cache ballpark and
+# keeps each matmul large enough (>= 512 rows at V = 32k) to run at full speed.
+_TORCH_CHUNK_BYTES = 64 << 20
+# GPU backward: the dz buffer of one vocab chunk; 1 GiB keeps the two cuBLAS matmuls large
+# while the extra memory stays far below [N, V] logits (10 GB at N=16k, V=152k).
+_TRITON_DZ_BYTES = 1 << 30
+# Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64.
+_BLOCK_M, _BLOCK_V, _BLOCK_K = 64, 128, 64
+_NUM_WARPS = 8
+# Row statistics: running max, sum exp(z - max), sum exp(z - max) * z, target logit.
+_NUM_STATS = 4
+# Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
+# #tokens, entropy, kl (each weighted like the loss except the counts).
+_NUM_SUMS = 8
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+")
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp,
+                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``hidden[o_m] @ weight[o_v].T * inv_temp`` as a [BLOCK_M, BLOCK_V] tile."""
+    b_acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        o_k = k + tl.arange(0, BLOCK_K).to(tl.int64)
+        m_k = o_k < H
+        b_h = tl.load(p_h + o_m[:, None] * H + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
+        b_w = tl.load(p_w + o_v[None, :] * H + o_k[:, None], mask=m_v[None, :] & m_k[:, None], other=0)
+        if UPCAST:
+            b_h = b_h.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        b_acc = tl.dot(b_h, b_w, b_acc, input_precision=PRECISION)
+    return b_acc * inv_temp
+
+
+@triton.jit
+def _linear_log_probs_fwd_kernel(
+    p_h, p_w, p_lab, p_stats, N, V, H, vocab_start, inv_temp, tiles_per_split,
+    ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online row statistics over this program's vocab split -> stats[i_s, rows, 0:4]."""
+    i_m = tl.program_id(0)
+    i_s = tl.program_id(1)
+    o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    m_m = o_m < N
+    b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
+    b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_ez = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_tgt = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(0, tiles_per_split):
+        o_v = (i_s.to(tl.int64) * tiles_per_split + t) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+        m_v = o_v < V
+        b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
+        b_z = tl.where(m_v[None, :], b_z, float("-inf"))
+        b_tgt += tl.sum(tl.where(o_v[None, :] == b_lab[:, None], b_z, 0.0), axis=1)
+        b_new = tl.maximum(b_max, tl.max(b_z, axis=1))
+        # A tile past the end of the vocab leaves the max at -inf; shift by 0 there.
+        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+        b_scale = tl.exp(b_max - b_ref)
+        b_p = tl.exp(b_z - b_ref[:, None])
+        b_sum = b_sum * b_scale + tl.sum(b_p, axis=1)
+        if ENTROPY:
+            b_ez = b_ez * b_scale + tl.sum(b_p * tl.where(m_v[None, :], b_z, 0.0), axis=1)
+        b_max = b_new
+    p_out = p_stats + (i_s.to(tl.int64) * N + o_m) * 4
+    tl.store(p_out + 0, b_max, mask=m_m)
+    tl.store(p_out + 1, b_sum, mask=m_m)
+    tl.store(p_out + 2, b_ez, mask=m_m)
+    tl.store(p_out + 3, b_tgt, mask=m_m)
+
+
+@triton.jit
+def _linear_log_probs_bwd_kernel(
+    p_h, p_w, p_lab, p_lse, p_mu, p_glp, p_gent, p_dz, N, V, H, vocab_start, inv_temp, v0, n_cols,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dz[:, v - v0] = d loss / d logits for vocab columns [v0, v0 + n_cols), recomputed."""
+    i_m = tl.program_id(0)
+    i_v = tl.program_id(1)
+    o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    m_m = o_m < N
+    o_c = i_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    o_v = v0 + o_c
+    m_v = (o_c < n_cols) & (o_v < V)
+    b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
+    b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
+    b_lse = tl.load(p_lse + o_m, mask=m_m, other=0)
+    b_mu = tl.load(p_mu + o_m, mask=m_m, other=0)
+    b_glp = tl.load(p_glp + o_m, mask=m_m, other=0)
+    b_gent = tl.load(p_gent + o_m, mask=m_m, other=0)
+    b_p = tl.exp(b_z - b_lse[:, None])
+    b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * (b_z - b_mu[:, None]))
+    b_dz += tl.where(o_v[None, :] == b_lab[:, None], b_glp[:, None], 0.0)
+    b_dz = b_dz * inv_temp
+    tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
+             mask=m_m[:, None] & m_v[None, :])
+
+
+# --------------------------------------------------------------------------- process groups
+# Custom ops take strings, not ProcessGroup objects: groups are registered here by key.
+_GROUPS: Dict[str, object] = {}
+
+
+def _group_key(group) -> str:
+    if group is None:
+        return ""
+    key = f"pg{id(group)}"
+    _GROUPS[key] = group
+    return key
+
+
+def _all_reduce(t: torch.Tensor, key: str, op: str = "sum") -> torch.Tensor:
+    if key:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=_GROUPS[key])
+    return t
+
+
+def combine_stats(stats: torch.Tensor, key: str = "") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``stats [S, N, 4]`` partial row statistics -> fp32 ``(lse, log_prob, mu)`` over splits and ranks."""
+    m_part = stats[..., 0]
+    m = _all_reduce(m_part.amax(0), key, "max")
+    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    scale = torch.exp(m_part - ref)  # -inf partials (empty splits) -> 0
+    sums = torch.stack([(stats[..., 1] * scale).sum(0), (stats[..., 2] * scale).sum(0), stats[..., 3].sum(0)])
+    s, ez, tgt = _all_reduce(sums, key)
+    lse = ref + torch.log(s)
+    return lse, tgt - lse, ez / s
+
+
+# --------------------------------------------------------------------------- torch backend
+def _chunk_rows(n_cols: int, n_rows: int) -> int:
+    return max(1, min(n_rows, _TORCH_CHUNK_BYTES // (4 * max(n_cols, 1))))
+
+
+def _stats_of_logits(z: torch.Tensor, lab: torch.Tensor, entropy: bool):
+    """Row statistics of an fp32 logits chunk and ``exp(z - rowmax)`` (reused for p)."""
+    m = z.amax(1)
+    e = torch.exp(z - m[:, None])
+    s = e.sum(1)
+    ez = torch.bmm(e[:, None, :], z[:, :, None]).view(-1) if entropy else torch.zeros_like(s)
+    inside = (lab >= 0) & (lab < z.shape[1])
+    tgt = torch.where(inside, z.gather(1, lab.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+    return torch.stack([m, s, ez, tgt], dim=1), e
+
+
+def _dlogits_(z: torch.Tensor, p: torch.Tensor, lab, mu, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+    """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities."""
+    z.sub_(mu[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+    inside = (lab >= 0) & (lab < z.shape[1])
+    rows = torch.arange(z.shape[0], device=z.device)
+    z.index_put_((rows, lab.clamp(0, z.shape[1] - 1)), torch.where(inside, g_lp, 0.0), accumulate=True)
+    return z.mul_(inv_temp)
+
+
+@register("linear_log_probs_stats", "torch")
+def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
+    n, v = hidden.shape[0], weight.shape[0]
+    w32 = weight.float()
+    stats = torch.empty((1, n, _NUM_STATS), dtype=torch.float32, device=hidden.device)
+    step = _chunk_rows(v, n)
+    for r0 in range(0, n, step):
+        z = torch.mm(hidden[r0:r0 + step].float(), w32.t()).mul_(inv_temp)
+        stats[0, r0:r0 + step], _ = _stats_of_logits(z, labels[r0:r0 + step] - vocab_start, entropy)
+    return stats
+
+
+@register("linear_log_probs_grads", "torch")
+def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g_ent):
+    """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk."""
+    n, v = hidden.shape[0], weight.shape[0]
+    w32 = weight.float()
+    d_h = torch.empty((n, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    d_w = torch.zeros(w32.shape, dtype=torch.float32, device=hidden.device)
+    step = _chunk_rows(v, n)
+    for r0 in range(0, n, step):
+        sl = slice(r0, r0 + step)
+        h = hidden[sl].float()
+        z = torch.mm(h, w32.t()).mul_(inv_temp)
+        p = torch.exp(z - lse[sl, None])
+        dz = _dlogits_(z, p, labels[sl] - vocab_start, mu[sl], g_lp[sl], g_ent[sl], inv_temp)
+        torch.mm(dz, w32, out=d_h[sl])
+        d_w.addmm_(dz.t(), h)
+    return d_h, d_w.to(weight.dtype)
+
+
+# --------------------------------------------------------------------------- triton backend
+def _dot_flags(dtype: torch.dtype):
+    # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 of logit); the 3.9
+    # interpreter multiplies raw bits for 16-bit dot operands, so it gets fp32 ones.
+    return dict(UPCAST=INTERPRET, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return min(n_tiles, 2)  # interpreter: exercise the split combine, keep programs few
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, cdiv(4 * sms, n_row_blocks)))
+
+
+@register("linear_log_probs_stats", "triton")
+def _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    (n, h), v = hidden.shape, weight.shape[0]
+    n_tiles = cdiv(v, _BLOCK_V)
+    splits = _num_splits(cdiv(n, _BLOCK_M), n_tiles, hidden.device)
+    per_split = cdiv(n_tiles, splits)
+    splits = cdiv(n_tiles, per_split)
+    stats = empty_output((splits, n, _NUM_STATS), dtype=torch.float32, device=hidden.device)
+    if n:
+        _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M), splits)](
+            hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split,
+            ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K,
+            num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
+        )
+    return stats
+
+
+@register("linear_log_probs_grads", "triton")
+def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g_ent):
+    """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS."""
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    (n, h), v = hidden.shape, weight.shape[0]
+    cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
+    d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
+    d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
+    args = [t.float().contiguous() for t in (lse, mu, g_lp, g_ent)]
+    for v0 in range(0, v, cols):
+        nc = min(cols, v - v0)
+        dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
+        if n:
+            _linear_log_probs_bwd_kernel[(cdiv(n, _BLOCK_M), cdiv(nc, _BLOCK_V))](
+                hidden, weight, labels, *args, dz, n, v, h, vocab_start, inv_temp, v0, nc,
+                BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
+                **_dot_flags(hidden.dtype),
+            )
+        torch.mm(dz.t(), hidden, out=d_w[v0:v0 + nc])
+        # dH sums over vocab chunks: accumulate each chunk's product in fp32.
+        d_h += torch.mm(dz, weight[v0:v0 + nc])
+    return d_h, d_w
+
+
+# --------------------------------------------------------------------------- loss head
+def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str):
+    """fp32 (verl ``kl_penalty`` value, its derivative w.r.t. ``log_prob``), elementwise."""
+    base = kl_type[:-1] if kl_type.endswith("+") else kl_type
+    d = log_prob.float() - ref_log_prob.float()
+    if base in ("kl", "k1"):
+        val, grad = d, torch.ones_like(d)
+    elif base == "abs":
+        val, grad = d.abs(), torch.sign(d)
+    elif base in ("mse", "k2"):
+        val, grad = 0.5 * d * d, d
+    else:  # low_var_kl / k3: clamp(exp(k) - k - 1, -10, 10) with k = clamp(-d, -20, 20)
+        k = (-d).clamp(-20.0, 20.0)
+        r = torch.exp(k)
+        val = r - k - 1
+        grad = torch.where((d.abs() <= 20.0) & (val <= 10.0), 1.0 - r, 0.0)
+        val = val.clamp(-10.0, 10.0)
+    if kl_type.endswith("+"):
+        grad = d  # straight-through: k2's gradient under the estimator's value
+    return val, grad
+
+
+class _LossHead:
+    """Per-token DAPO loss: gradients w.r.t. log-prob / entropy and weighted partial sums."""
+
+    def __init__(self, tokens: List[torch.Tensor], params: List[float], kl_type: str):
+        self.old, self.adv, self.mask, self.w, self.ref = tokens
+        self.clips = params[1:4]
+        self.ent_coef, self.kl_coef = params[4], params[5]
+        self.kl_type = kl_type
+
+    def __call__(self, lp: torch.Tensor, ent: torch.Tensor, sl: slice):
+        mask = self.mask[sl]
+        w = self.w if self.w.numel() == 1 else self.w[sl]
+        loss, dl, clip, clip_low, nkl = pg_token_terms(lp, self.old[sl], self.adv[sl], *self.clips)
+        wm = torch.where(mask, w.float(), 0.0)
+        g_lp = wm * dl
+        zero = lp.new_zeros(())
+        ent_sum, kl_sum, g_ent = zero, zero, torch.zeros_like(lp)
+        if self.ent_coef:
+            ent_sum = torch.where(mask, wm * ent, 0.0).sum()
+            g_ent = -self.ent_coef * wm
+        if self.kl_coef:
+            kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type)
+            kl_sum = torch.where(mask, wm * kl_val, 0.0).sum()
+            g_lp = g_lp + self.kl_coef * wm * kl_grad
+        pg_sum = torch.where(mask, wm * loss, 0.0).sum()
+        m = mask.float()
+        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum, (m * clip).sum(),
+                            (m * clip_low).sum(), (m * -nkl).sum(), m.sum(), ent_sum, kl_sum])
+        return g_lp, g_ent, sums
+
+
+@register("fused_linear_policy_loss", "torch")
+def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
+    """One pass over token chunks; each fp32 logits chunk serves the loss and its gradient."""
+    (n, h), v = hidden.shape, weight.shape[0]
+    w32 = weight.float()
+    log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float32, device=hidden.device)
+    d_h = torch.empty((n, h) if compute_grad else (0, h), dtype=torch.float32, device=hidden.device)
+    d_w = torch.zeros(w32.shape if compute_grad else (0, h), dtype=torch.float32, device=hidden.device)
+    step = _chunk_rows(v, n)
+    for r0 in range(0, n, step):
+        sl = slice(r0, r0 + step)
+        x = hidden[sl].float()
+        lab = labels[sl] - vocab_start
+        z = torch.mm(x, w32.t()).mul_(inv_temp)
+        stats, e = _stats_of_logits(z, lab, entropy)
+        lse, log_prob[sl], mu = combine_stats(stats[None], key)
+        if entropy:
+            ent[sl] = lse - mu
+        g_lp, g_ent, part = head(log_prob[sl], ent[sl], sl)
+        sums += part
+        if compute_grad:
+            p = e.mul_(torch.exp(stats[:, 0] - lse)[:, None])
+            dz = _dlogits_(z, p, lab, mu, g_lp, g_ent, inv_temp)
+            torch.mm(dz, w32, out=d_h[sl])
+            d_w.addmm_(dz.t(), x)
+    return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
+
+
+@register("fused_linear_policy_loss", "triton")
+def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
+    """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
+    lse, log_prob, mu = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key)
+    ent = lse - mu if entropy else torch.zeros_like(lse)
+    g_lp, g_ent, sums = head(log_prob, ent, slice(None))
+    if not compute_grad:
+        return sums, log_prob, ent, hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
+    d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g_ent)
+    return sums, log_prob, ent, d_h, d_w
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("dapo::linear_log_probs", mutates_args=())
+def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                         entropy: bool, vocab_start: int, group: str
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``[N]`` (log_prob, entropy (zeros unless ``entropy``), lse, mu)."""
+    stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
+                                                              vocab_start, entropy)
+    lse, log_prob, mu = combine_stats(stats, group)
+    ent = lse - mu if entropy else torch.zeros_like(lse)
+    return log_prob, ent, lse, mu
+
+
+@_linear_log_probs_op.register_fake
+def _(hidden, weight, labels, temperature, entropy, vocab_start, group):
+    return tuple(hidden.new_empty((hidden.shape[0],), dtype=torch.float32) for _ in range(4))
+
+
+@torch.library.custom_op("dapo::linear_log_probs_bwd", mutates_args=())
+def _linear_log_probs_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                             mu: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor, temperature: float,
+                             vocab_start: int, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard)."""
+    d_h, d_w = dispatch("linear_log_probs_grads", hidden.device)(hidden, weight, labels, 1.0 / temperature,
+                                                                 vocab_start, lse, mu, g_lp, g_ent)
+    return _all_reduce(d_h, group).to(hidden.dtype), d_w
+
+
+@_linear_log_probs_bwd_op.register_fake
+def _(hidden, weight, labels, lse, mu, g_lp, g_ent, temperature, vocab_start, group):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _llp_setup(ctx, inputs, output):
+    hidden, weight, labels, temperature, entropy, vocab_start, group = inputs
+    ctx.save_for_backward(hidden, weight, labels, output[2], output[3])
+    ctx.args = (temperature, vocab_start, group)
+
+
+def _llp_backward(ctx, g_lp, g_ent, g_lse, g_mu):
+    hidden, weight, labels, lse, mu = ctx.saved_tensors
+    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, lse, mu, g_lp.float().contiguous(),
+                                        g_ent.float().contiguous(), *ctx.args)
+    return d_h, d_w, None, None, None, None, None
+
+
+_linear_log_probs_op.register_autograd(_llp_backward, setup_context=_llp_setup)
+
+
+@torch.library.custom_op("dapo::fused_linear_policy_loss", mutates_args=())
+def _fused_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tokens: List[torch.Tensor],
+              params: List[float], kl_type: str, vocab_start: int, group: str, entropy: bool, compute_grad: bool
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sums [8], log_prob [N], entropy [N], dH, dW); dH/dW are empty unless ``compute_grad``.
+
+    ``tokens`` = [old_log_prob, advantages, mask (bool), weights (1 or N), ref_log_prob];
+    ``params`` = [temperature, clip_low, clip_high, clip_c, entropy_coeff, kl_coef].
+    """
+    head = _LossHead(tokens, params, kl_type)
+    sums, log_prob, ent, d_h, d_w = dispatch("fused_linear_policy_loss", hidden.device)(
+        hidden, weight, labels, head, 1.0 / params[0], vocab_start, group, entropy, compute_grad)
+    return sums, log_prob, ent, _all_reduce(d_h, group).to(hidden.dtype), d_w
+
+
+@_fused_op.register_fake
+def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entropy, compute_grad):
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32)
+    d_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0, hidden.shape[1]))
+    d_w = torch.empty_like(weight) if compute_grad else weight.new_empty((0, weight.shape[1]))
+    return hidden.new_empty((_NUM_SUMS,), **f32), hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), d_h, d_w
+
+
+def _fused_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[3], output[4])
+    ctx.n_tokens = len(inputs[3])
+
+
+def _fused_backward(ctx, g_sums, g_lp, g_ent, g_dh, g_dw):
+    d_h, d_w = ctx.saved_tensors
+    g = g_sums[0]
+    return (d_h * g.to(d_h.dtype), d_w * g.to(d_w.dtype), None, [None] * ctx.n_tokens,
+            None, None, None, None, None, None)
+
+
+_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+# --------------------------------------------------------------------------- public API
+def _check_linear_inputs(hidden, weight, labels, temperature, process_group):
+    """Validate; return (vocab_start, group key). One host sync for the label range."""
+    check_tensor("hidden", hidden, ndim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device,
+                 shape=(None, hidden.shape[1]))
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one vocab row, got shape [0, H]")
+    check_tensor("labels", labels, ndim=1, dtypes=(torch.int64, torch.int32), device=hidden.device,
+                 shape=(hidden.shape[0],))
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rank, world = 0, 1
+    if process_group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    vocab = weight.shape[0] * world
+    if labels.numel():
+        lo, hi = torch.stack(torch.aminmax(labels)).tolist()
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"labels must lie in [0, V) = [0, {vocab}), got range [{lo}, {hi}]")
+    return rank * weight.shape[0], _group_key(process_group)
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    process_group=None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probability of ``labels`` under ``softmax(hidden @ weight.T / temperature)``, without ``[N, V]``.
+
+    Args:
+        hidden: ``[N, H]`` fp16/bf16/fp32 (packed tokens).
+        weight: ``[V, H]`` lm_head, same dtype; with ``process_group``, this rank's vocab shard
+            (Megatron vocab-parallel: rank ``r`` holds rows ``[r*V, (r+1)*V)`` of the full head).
+        labels: ``[N]`` int64 (or int32) token ids in ``[0, V_total)``.
+        temperature: logits are divided by it (> 0).
+        return_entropy: also return the entropy of the distribution.
+        process_group: optional ``torch.distributed`` group over which ``weight`` is sharded by
+            vocab; the results equal the unsharded ones. ``hidden``'s gradient is all-reduced
+            over the group (do not add a Megatron copy-to-TP-region on top).
+
+    Returns:
+        ``log_prob`` fp32 ``[N]`` and ``entropy`` fp32 ``[N]`` (or None), from fp32-accumulated
+        logits. Differentiable w.r.t. ``hidden`` and ``weight`` through both outputs.
+    """
+    vocab_start, key = _check_linear_inputs(hidden, weight, labels, temperature, process_group)
+    log_prob, ent, _, _ = _linear_log_probs_op(hidden, weight, labels, float(temperature), bool(return_entropy),
+                                               vocab_start, key)
+    return log_prob, (ent if return_entropy else None)
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str = "low_var_kl") -> torch.Tensor:
+    """verl's ``kl_penalty`` estimators (``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``,
+    and ``+`` straight-through variants), elementwise on same-shape float tensors; fp32 result,
+    differentiable w.r.t. ``log_prob``."""
+    check_tensor("log_prob", log_prob, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    check_tensor("ref_log_prob", ref_log_prob, device=log_prob.device, shape=tuple(log_prob.shape))
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    val, grad = kl_terms(log_prob.detach(), ref_log_prob, kl_type)
+    # Value of the estimator, gradient of kl_terms: first-order straight-through.
+    return val + (log_prob.float() - log_prob.detach().float()) * grad
+
+
+def _check_token_inputs(n: int, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type):
+    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        check_tensor(name, t, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                     device=hidden.device, shape=(n,))
+    mask = check_mask("response_mask", response_mask, old_log_prob)
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if kl_coef and ref_log_prob is None:
+        raise ValueError("kl_coef != 0 needs ref_log_prob [N]")
+    if ref_log_prob is not None:
+        check_tensor("ref_log_prob", ref_log_prob, dtypes=(torch.float16, torch.bfloat16, torch.float32,
+                                                           torch.float64), device=hidden.device, shape=(n,))
+    return mask
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    loss_scale_factor=None,
+    entropy_coeff: float = 0.0,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "low_var_kl",
+    process_group=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """lm_head -> log-prob -> DAPO loss in one op: ``pg_loss - entropy_coeff * agg(entropy) + kl_coef * agg(kl)``.
+
+    ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``, ``temperature`` and ``process_group``
+    as in :func:`linear_log_probs`; ``old_log_prob``, ``advantages``, ``ref_log_prob`` float
+    ``[N]``, ``response_mask`` bool/int ``[N]``; the loss arguments as in
+    :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
+    kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
+
+    Returns ``loss`` (fp32 0-dim; gradients for ``hidden`` and ``weight``, computed during the
+    forward when grad is enabled) and detached ``metrics``: ``pg_clipfrac``,
+    ``pg_clipfrac_lower``, ``ppo_kl``, ``pg_loss``, ``log_prob`` ``[N]``, plus ``entropy_loss``
+    and ``entropy`` ``[N]`` when ``entropy_coeff != 0``, ``kl_loss`` when ``kl_coef != 0``.
+    """
+    vocab_start, key = _check_linear_inputs(hidden, weight, labels, temperature, process_group)
+    n = hidden.shape[0]
+    mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
+    clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    check_agg(loss_agg_mode, old_log_prob, cu_seqlens)
+    for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
+                            loss_scale_factor=loss_scale_factor)
+    ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else old_log_prob.new_zeros(0)
+    tokens = [old_log_prob.contiguous(), advantages.contiguous(), mask.contiguous(), w, ref.contiguous()]
+    params = [float(temperature), *clips, float(entropy_coeff), float(kl_coef)]
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    entropy = bool(entropy_coeff)
+    sums, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, tokens, params, kl_type, vocab_start, key,
+                                          entropy, compute_grad)
+    metrics = metrics_from_counts(sums[2], sums[3], sums[4], sums[5])
+    metrics.update(pg_loss=sums[1].detach(), log_prob=log_prob.detach())
+    if entropy:
+        metrics.update(entropy_loss=sums[6].detach(), entropy=ent.detach())
+    if kl_coef:
+        metrics["kl_loss"] = sums[7].detach()
+    return sums[0], metrics

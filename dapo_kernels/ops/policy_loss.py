@@ -1,0 +1,336 @@
+"""DAPO policy loss: PPO's clipped surrogate with decoupled clip bounds and dual clip.
+
+Same semantics as verl 0.9.1 ``compute_policy_loss_vanilla`` + ``agg_loss``. Every
+aggregation mode is a weighted token sum ``loss = sum_i w_i * mask_i * L_i``: the
+weights ``w`` (one scalar for the token modes, one value per token for the seq modes)
+are built from the mask with a few vectorised torch ops, and one kernel computes the
+per-token loss, the weighted sum and the metric counts; the backward is one more
+elementwise kernel, ``d loss / d log_prob_i = w_i * mask_i * dL_i``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty_output
+from .._registry import dispatch, register
+from .._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_tensor
+from ._triton_utils import cdiv
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# verl clamps the log-ratio to +-20 "for stability": exp(20) is still finite in fp32.
+_LOG_RATIO_CLAMP = 20.0
+# Tokens per program: a 4 KiB fp32 tile per input keeps loads vectorised; the partial
+# sums buffer stays ~N/1024 rows, summed by torch deterministically.
+_BLOCK = 1024
+# Partial sums per program: weighted loss, clipped, clipped-lower, -log-ratio, tokens.
+_NUM_SUMS = 5
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
+    """Per-token loss, dL/dlog_prob and the metric indicators (all fp32)."""
+    b_d = b_lp - b_old
+    b_nkl = tl.minimum(tl.maximum(b_d, -20.0), 20.0)
+    b_ratio = tl.exp(b_nkl)
+    b_pg1 = -b_adv * b_ratio
+    b_pg2 = -b_adv * tl.minimum(tl.maximum(b_ratio, 1.0 - clip_low), 1.0 + clip_high)
+    b_c1 = tl.maximum(b_pg1, b_pg2)
+    b_pg3 = -b_adv * clip_c
+    b_neg = b_adv < 0
+    b_loss = tl.where(b_neg, tl.minimum(b_pg3, b_c1), b_c1)
+    # Gradient flows through pg1 where it wins the max (pg2 wins only where the clamp
+    # saturates, so its gradient is zero) and not where the dual clip pg3 wins.
+    b_pass = (b_d >= -20.0) & (b_d <= 20.0) & (b_pg1 >= b_pg2) & ((~b_neg) | (b_c1 < b_pg3))
+    b_dl = tl.where(b_pass, b_pg1, 0.0)
+    b_clip = (b_pg2 > b_pg1).to(tl.float32)
+    b_clip_low = ((b_c1 > b_pg3) & b_neg).to(tl.float32)
+    return b_loss, b_dl, b_clip, b_clip_low, b_nkl
+
+
+@triton.jit
+def _policy_loss_fwd_kernel(
+    p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_low, clip_high, clip_c,
+    W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m_t = o_t < n_tok
+    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float32)
+    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float32)
+    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float32)
+    b_m = (tl.load(p_mask + o_t, mask=m_t, other=0) != 0).to(tl.float32)
+    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float32)
+    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
+    p_out = p_part + i_b.to(tl.int64) * 5
+    tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
+    tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
+    tl.store(p_out + 2, tl.sum(b_m * b_clip_low, axis=0))
+    tl.store(p_out + 3, tl.sum(b_m * -b_nkl, axis=0))
+    tl.store(p_out + 4, tl.sum(b_m, axis=0))
+
+
+@triton.jit
+def _policy_loss_bwd_kernel(
+    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_dlp, n_tok, clip_low, clip_high, clip_c,
+    W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m_t = o_t < n_tok
+    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float32)
+    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float32)
+    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float32)
+    b_m = tl.load(p_mask + o_t, mask=m_t, other=0) != 0
+    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float32)
+    b_g = tl.load(p_g).to(tl.float32)
+    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
+    b_grad = tl.where(b_m, b_g * b_w * b_dl, 0.0)
+    tl.store(p_dlp + o_t, b_grad.to(p_dlp.dtype.element_ty), mask=m_t)
+
+
+# --------------------------------------------------------------------------- launchers
+@register("policy_loss_sums", "triton")
+def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    n = lp.numel()
+    part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float32, device=lp.device)
+    if n == 0:
+        return part.zero_().sum(0)
+    _policy_loss_fwd_kernel[(cdiv(n, _BLOCK),)](
+        lp, old, adv, mask.view(torch.uint8), w, part, n, clip_low, clip_high, clip_c,
+        W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
+    )
+    return part.sum(0)
+
+
+@register("policy_loss_grad", "triton")
+def _grad_triton(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    n = lp.numel()
+    dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
+    if n:
+        _policy_loss_bwd_kernel[(cdiv(n, _BLOCK),)](
+            g.reshape(1).float(), lp, old, adv, mask.view(torch.uint8), w, dlp, n, clip_low, clip_high, clip_c,
+            W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
+        )
+    return dlp
+
+
+def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: float):
+    """Torch twin of the kernels' ``_pg_token_terms``: fp32 (loss, dL/dlp, clip, clip_lower, log-ratio)."""
+    lp, old, adv = lp.float(), old.float(), adv.float()
+    d = lp - old
+    nkl = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = nkl.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    c1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * clip_c
+    neg = adv < 0
+    loss = torch.where(neg, torch.minimum(pg3, c1), c1)
+    passes = (d.abs() <= _LOG_RATIO_CLAMP) & (pg1 >= pg2) & (~neg | (c1 < pg3))
+    dl = torch.where(passes, pg1, 0.0)
+    return loss, dl, (pg2 > pg1).float(), ((c1 > pg3) & neg).float(), nkl
+
+
+@register("policy_loss_sums", "torch")
+def _sums_torch(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
+    m = mask.float()
+    wl = torch.where(mask, w.float() * loss, 0.0)
+    return torch.stack([wl.sum(), (m * clip).sum(), (m * clip_low_ind).sum(), (m * -nkl).sum(), m.sum()])
+
+
+@register("policy_loss_grad", "torch")
+def _grad_torch(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    _, dl, _, _, _ = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
+    return torch.where(mask, g.float() * w.float() * dl, 0.0).to(lp.dtype)
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("dapo::policy_loss_sums", mutates_args=())
+def policy_loss_sums(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, w: torch.Tensor,
+                     clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
+    """fp32 ``[5]``: sum(w*mask*L), #clipped, #dual-clipped, sum(-log-ratio), #tokens over flat ``[N]`` inputs."""
+    return dispatch("policy_loss_sums", lp.device)(lp, old, adv, mask, w, clip_low, clip_high, clip_c)
+
+
+@policy_loss_sums.register_fake
+def _(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    return lp.new_empty((_NUM_SUMS,), dtype=torch.float32)
+
+
+@torch.library.custom_op("dapo::policy_loss_grad", mutates_args=())
+def policy_loss_grad(g: torch.Tensor, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                     w: torch.Tensor, clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
+    """d(g * sums[0]) / d lp, in lp's dtype."""
+    return dispatch("policy_loss_grad", lp.device)(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c)
+
+
+@policy_loss_grad.register_fake
+def _(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    return torch.empty_like(lp)
+
+
+def _sums_setup(ctx, inputs, output):
+    lp, old, adv, mask, w, *clips = inputs
+    ctx.save_for_backward(lp, old, adv, mask, w)
+    ctx.clips = clips
+
+
+def _sums_backward(ctx, grad):
+    lp, old, adv, mask, w = ctx.saved_tensors
+    dlp = policy_loss_grad(grad[0].contiguous(), lp, old, adv, mask, w, *ctx.clips)
+    # The loss depends on lp - old only.
+    dold = -dlp if ctx.needs_input_grad[1] else None
+    return dlp, dold, None, None, None, None, None, None
+
+
+policy_loss_sums.register_autograd(_sums_backward, setup_context=_sums_setup)
+
+
+# --------------------------------------------------------------------------- aggregation weights
+def _as_count(name: str, value, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        return value.reshape(()).to(device=device, dtype=torch.float32)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be an int, a float or a 1-element tensor, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return torch.tensor(float(value), device=device)
+
+
+def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+    """(masked tokens per sequence [B], sequence id per token or None, horizon)."""
+    if mask.dim() == 2:
+        return mask.sum(-1, dtype=torch.float32), None, torch.tensor(float(mask.shape[-1]), device=mask.device)
+    cu = cu_seqlens.long()
+    csum = torch.nn.functional.pad(torch.cumsum(mask, 0, dtype=torch.float32), (1, 0))
+    lens = cu[1:] - cu[:-1]
+    seq_id = torch.repeat_interleave(torch.arange(lens.numel(), device=mask.device), lens, output_size=mask.numel())
+    horizon = lens.max().float() if lens.numel() else torch.zeros((), device=mask.device)
+    return csum[cu[1:]] - csum[cu[:-1]], seq_id, horizon
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_seqs=None,
+                        cu_seqlens: Optional[torch.Tensor] = None, loss_scale_factor=None) -> torch.Tensor:
+    """Per-token weights ``w`` with ``loss = sum(w * mask * L)`` for ``mode`` (fp32, 1 or N elements).
+
+    ``mask`` is bool ``[B, T]`` or packed ``[N]`` (then ``cu_seqlens`` for the seq modes).
+    Counts that are zero are clamped to 1: an all-masked batch then sums to exactly 0.
+    """
+    dev = mask.device
+    if mode == "token-mean":
+        n = mask.sum(dtype=torch.float32) if num_tokens is None else _as_count("num_tokens", num_tokens, dev)
+        return (1.0 / n.clamp(min=1.0)).reshape(1)
+    if mode == "token-sum":
+        return torch.ones(1, device=dev)
+    lens, seq_id, horizon = _seq_lengths(mask, cu_seqlens)
+    present = (lens > 0).float()
+    nseq = present.sum() if num_seqs is None else _as_count("num_seqs", num_seqs, dev)
+    w_seq = present / nseq.clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        w_seq = w_seq / lens.clamp(min=1.0)
+    elif mode == "seq-mean-token-sum-norm":
+        scale = horizon if loss_scale_factor is None else _as_count("loss_scale_factor", loss_scale_factor, dev)
+        w_seq = w_seq / scale.clamp(min=1e-30)
+    if seq_id is None:
+        return w_seq[:, None].expand(mask.shape).reshape(-1).contiguous()
+    return w_seq[seq_id]
+
+
+# --------------------------------------------------------------------------- public API
+def check_mask(name: str, mask, like: torch.Tensor) -> torch.Tensor:
+    """bool/integer mask of ``like``'s shape -> bool (nonzero = token)."""
+    check_tensor(name, mask, dtypes=(torch.bool,) + INT_DTYPES, device=like.device, shape=tuple(like.shape))
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> Tuple[float, float, float]:
+    out = []
+    for name, v in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high),
+                    ("clip_ratio_c", clip_ratio_c)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+        out.append(float(v))
+    if not 0.0 <= out[0] < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {out[0]}")
+    if out[1] < 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {out[1]}")
+    if out[2] <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {out[2]}")
+    return out[0], out[1], out[2]
+
+
+def check_agg(mode, shape_like: torch.Tensor, cu_seqlens) -> None:
+    """Mode name, and ``cu_seqlens`` present exactly when packed 1-D inputs use a seq mode."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if shape_like.dim() == 2 and cu_seqlens is not None:
+        raise ValueError("cu_seqlens is only for packed 1-D inputs; [B, T] inputs carry their sequences as rows")
+    if shape_like.dim() == 1 and mode.startswith("seq") and cu_seqlens is None:
+        raise ValueError(f"loss_agg_mode={mode!r} on packed 1-D inputs needs cu_seqlens")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, shape_like.shape[0], device=shape_like.device)
+
+
+def metrics_from_counts(clipped, clipped_lower, neg_kl_sum, count) -> Dict[str, torch.Tensor]:
+    n = count.clamp(min=1.0)
+    return {"pg_clipfrac": (clipped / n).detach(), "pg_clipfrac_lower": (clipped_lower / n).detach(),
+            "ppo_kl": (neg_kl_sum / n).detach()}
+
+
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    loss_scale_factor=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Decoupled-clip PPO/DAPO policy loss (verl ``compute_policy_loss_vanilla`` + ``agg_loss``).
+
+    Args:
+        log_prob, old_log_prob, advantages: float (fp16/bf16/fp32/fp64) ``[B, T]``, or packed
+            ``[N]``; all the same shape. Math runs in fp32.
+        response_mask: bool or integer, same shape, nonzero = token in the loss.
+        clip_ratio_low / clip_ratio_high: ratio clipped to ``[1 - low, 1 + high]``.
+        clip_ratio_c: dual-clip bound (> 1) for negative advantages.
+        loss_agg_mode: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+            ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``.
+        num_tokens / num_seqs: global token / sequence counts (int, float or 1-element tensor)
+            over all micro-batches and data-parallel ranks, so that summing this loss over them
+            gives the global mean (multiply by the DP world size if DP averages gradients, as
+            verl's ``dp_size`` does). Default: local counts.
+        cu_seqlens: int32/int64 ``[B+1]`` for packed 1-D inputs in the seq modes.
+        loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (default ``T``; packed: the
+            longest sequence).
+
+    Returns:
+        ``loss``: fp32 0-dim, differentiable w.r.t. ``log_prob`` (and ``old_log_prob``);
+        ``metrics``: detached fp32 0-dim ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
+        (masked means; no host sync). An all-masked batch gives loss 0 and zero gradient.
+    """
+    check_tensor("log_prob", log_prob, ndim=(1, 2), dtypes=FLOAT_DTYPES)
+    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, device=log_prob.device, shape=tuple(log_prob.shape))
+    mask = check_mask("response_mask", response_mask, log_prob)
+    clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    check_agg(loss_agg_mode, log_prob, cu_seqlens)
+    w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
+                            loss_scale_factor=loss_scale_factor)
+    flat = [t.reshape(-1).contiguous() for t in (log_prob, old_log_prob, advantages, mask)]
+    sums = policy_loss_sums(*flat, w, *clips)
+    return sums[0], metrics_from_counts(sums[1], sums[2], sums[3], sums[4])

@@ -1,0 +1,149 @@
+"""References for the policy-loss ops: verl 0.9.1 semantics, written out plainly.
+
+Every function computes in the dtype of its inputs, so ``f(x.double())`` is the
+float64 reference and ``f(x)`` is what plain torch costs in ``x``'s dtype (the
+comparator of ``tests.helpers.assert_close_to_ref``). One deliberate difference from
+verl: an all-masked batch (or sequence) aggregates to 0 instead of NaN.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def packed_to_padded_ref(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N] packed -> [B, max_len] right-padded with zeros (a Python loop over sequences)."""
+    cu = cu_seqlens.tolist()
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    out = x.new_zeros((len(lens), max(lens, default=0)))
+    for b, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        out[b, : e - s] = x[s:e]
+    return out
+
+
+def agg_loss_ref(loss_mat, mask, mode, *, num_tokens=None, num_seqs=None, loss_scale_factor=None):
+    """verl ``agg_loss`` on ``[B, T]``: ``num_tokens``/``num_seqs`` play verl's global counts."""
+    m = mask.to(loss_mat.dtype)
+    masked = torch.where(mask.bool(), loss_mat, torch.zeros_like(loss_mat)) * m
+    if mode == "token-mean":
+        n = m.sum() if num_tokens is None else num_tokens
+        return masked.sum() / max(float(n), 1.0)
+    if mode == "token-sum":
+        return masked.sum()
+    tok = m.sum(-1)
+    seq_present = (tok > 0).to(loss_mat.dtype)
+    nseq = max(float(seq_present.sum() if num_seqs is None else num_seqs), 1.0)
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        loss = (masked.sum(-1) * seq_present).sum() / nseq
+        if mode == "seq-mean-token-sum-norm":
+            loss = loss / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+    if mode == "seq-mean-token-mean":
+        seq_mean = masked.sum(-1) / tok.clamp(min=1)
+        return (seq_mean * seq_present).sum() / nseq
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def _masked_mean(x, mask):
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def pg_losses_ref(log_prob, old_log_prob, advantages, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0):
+    """verl ``compute_policy_loss_vanilla``'s per-token loss and its metric indicators."""
+    neg_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -advantages * clip_ratio_c
+    clip2 = torch.min(pg3, clip1)
+    losses = torch.where(advantages < 0, clip2, clip1)
+    clipped = torch.gt(pg2, pg1)
+    clipped_lower = torch.gt(clip1, pg3) & (advantages < 0)
+    return losses, clipped, clipped_lower, neg_kl
+
+
+def policy_loss_ref(log_prob, old_log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                    clip_ratio_c=3.0, loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, cu_seqlens=None,
+                    loss_scale_factor=None):
+    """(loss, metrics) as verl; 1-D inputs with ``cu_seqlens`` are padded per sequence first."""
+    if log_prob.dim() == 1 and cu_seqlens is not None:
+        log_prob, old_log_prob, advantages, response_mask = (
+            packed_to_padded_ref(t, cu_seqlens) for t in (log_prob, old_log_prob, advantages, response_mask))
+    elif log_prob.dim() == 1:
+        log_prob, old_log_prob, advantages, response_mask = (
+            t[None] for t in (log_prob, old_log_prob, advantages, response_mask))
+    losses, clipped, clipped_lower, neg_kl = pg_losses_ref(
+        log_prob, old_log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    loss = agg_loss_ref(losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                        loss_scale_factor=loss_scale_factor)
+    dt = log_prob.dtype
+    metrics = {
+        "pg_clipfrac": _masked_mean(clipped.to(dt), response_mask),
+        "pg_clipfrac_lower": _masked_mean(clipped_lower.to(dt), response_mask),
+        "ppo_kl": _masked_mean(-neg_kl, response_mask),
+    }
+    return loss, metrics
+
+
+def kl_penalty_ref(log_prob, ref_log_prob, kl_type="low_var_kl"):
+    """verl ``kl_penalty`` (including the ``+`` straight-through variants)."""
+    base = kl_type[:-1] if kl_type.endswith("+") else kl_type
+    d = log_prob - ref_log_prob
+    if base in ("kl", "k1"):
+        out = d
+    elif base == "abs":
+        out = d.abs()
+    elif base in ("mse", "k2"):
+        out = 0.5 * d.square()
+    elif base in ("low_var_kl", "k3"):
+        kl = torch.clamp(-d, min=-20, max=20)
+        out = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    else:
+        raise ValueError(kl_type)
+    if kl_type.endswith("+") and base not in ("mse", "k2"):
+        st = 0.5 * d.square()
+        out = st - st.detach() + out.detach()
+    return out
+
+
+def linear_log_probs_ref(hidden, weight, labels, temperature=1.0):
+    """Full logits in the inputs' dtype: (log_prob [N], entropy [N])."""
+    logits = (hidden @ weight.t()) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    log_prob = logp_all.gather(-1, labels[:, None].long())[:, 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return log_prob, entropy
+
+
+def fused_linear_policy_loss_ref(hidden, weight, labels, old_log_prob, advantages, response_mask, *, temperature=1.0,
+                                 clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                                 loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, cu_seqlens=None,
+                                 loss_scale_factor=None, entropy_coeff=0.0, ref_log_prob: Optional[torch.Tensor] = None,
+                                 kl_coef=0.0, kl_type="low_var_kl"):
+    """verl's actor loss: pg_loss - entropy_coeff * agg(entropy) + kl_coef * agg(kl)."""
+    log_prob, entropy = linear_log_probs_ref(hidden, weight, labels, temperature)
+    agg = dict(loss_agg_mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
+               loss_scale_factor=loss_scale_factor)
+    loss, metrics = policy_loss_ref(log_prob, old_log_prob, advantages, response_mask, clip_ratio_low=clip_ratio_low,
+                                    clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **agg)
+    if entropy_coeff:
+        ent_loss = _agg_values(entropy, response_mask, **agg)
+        loss = loss - entropy_coeff * ent_loss
+    if kl_coef:
+        kl_loss = _agg_values(kl_penalty_ref(log_prob, ref_log_prob, kl_type), response_mask, **agg)
+        loss = loss + kl_coef * kl_loss
+    return loss, metrics, log_prob, entropy
+
+
+def _agg_values(values, mask, *, loss_agg_mode, num_tokens, num_seqs, cu_seqlens, loss_scale_factor):
+    if values.dim() == 1 and cu_seqlens is not None:
+        values, mask = packed_to_padded_ref(values, cu_seqlens), packed_to_padded_ref(mask, cu_seqlens)
+    elif values.dim() == 1:
+        values, mask = values[None], mask[None]
+    return agg_loss_ref(values, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                        loss_scale_factor=loss_scale_factor)

@@ -5,6 +5,7 @@ TRL and flash-attn provide. Each op is a ``torch.library`` custom op (namespace
 ``dapo``) dispatched per device by :mod:`dapo_kernels._registry`.
 """
 from ._registry import current_backend, registered_ops, use_backend
+from .balancing import attention_workload, balanced_partitions, micro_batches, pipeline_order
 from .ops.group_filter import GroupFilterResult, group_filter, overlong_penalty
 from .ops.linear_log_probs import fused_linear_policy_loss, kl_penalty, linear_log_probs
 from .ops.packing import pad_input, packed_position_ids, unpad_input
@@ -15,6 +16,10 @@ from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 __version__ = "0.1.0"
 
 __all__ = [
+    "balanced_partitions",
+    "micro_batches",
+    "attention_workload",
+    "pipeline_order",
     "policy_loss",
     "linear_log_probs",
     "fused_linear_policy_loss",

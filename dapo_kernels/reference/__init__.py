@@ -4,6 +4,7 @@ The simplest correct code (Python loops allowed), float64 where numerics matter.
 Import a reference from here, never from the op files.
 """
 from .attention import varlen_attention_ref
+from .balancing import karmarkar_karp_ref, micro_batch_count_ref, spread_of
 from .group_filter import group_filter_ref, overlong_penalty_ref
 from .loss import (agg_loss_ref, fused_linear_policy_loss_ref, kl_penalty_ref, linear_log_probs_ref,
                    policy_loss_ref)
@@ -12,3 +13,4 @@ from .packing import pad_input_ref, packed_position_ids_ref, unpad_input_ref
 __all__ = ["unpad_input_ref", "pad_input_ref", "packed_position_ids_ref", "varlen_attention_ref"]
 __all__ += ["group_filter_ref", "overlong_penalty_ref"]
 __all__ += ["policy_loss_ref", "agg_loss_ref", "kl_penalty_ref", "linear_log_probs_ref", "fused_linear_policy_loss_ref"]
+__all__ += ["karmarkar_karp_ref", "micro_batch_count_ref", "spread_of"]

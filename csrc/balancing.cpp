@@ -1,0 +1,554 @@
+// Sequence-length balancing: Karmarkar-Karp partitions, token-capped micro-batches,
+// pipeline order. See balancing.h for the contract, dapo_kernels/balancing.py for the
+// Python API and dapo_kernels/reference/balancing.py for the reference KK whose tie
+// rules this file follows exactly (tests compare them item for item).
+#include "balancing.h"
+
+#include <algorithm>
+#include <limits>
+#include <queue>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+namespace dapo {
+namespace balancing {
+namespace {
+
+using i128 = __int128;
+
+// Refinement rounds per item: each accepted step strictly lowers the sum of squared
+// group sums, so it terminates anyway; the cap only bounds the worst case.
+constexpr int64_t kRefineStepsPerItem = 4;
+// Candidates scanned on each side of the ideal swap partner when a token cap rejects
+// the closest ones; beyond that the gain is small and the scan would go quadratic.
+constexpr int64_t kCapScanWindow = 32;
+// Consecutive micro-batch counts tried with KK before settling for the best-fit count:
+// KK nearly always fits within one or two steps of the lower bound.
+constexpr int64_t kMaxCountAttempts = 64;
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+int64_t checked_sum(const int64_t* v, int64_t n, const char* name) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (v[i] < 0) fail(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v[i]) + " is negative");
+    if (__builtin_add_overflow(total, v[i], &total)) fail(std::string(name) + " sums past the int64 range");
+  }
+  return total;
+}
+
+void check_count(int64_t n) {
+  if (n >= std::numeric_limits<int32_t>::max()) fail("at most 2^31 - 2 items are supported, got " + std::to_string(n));
+}
+
+// ------------------------------------------------------------------ Karmarkar-Karp
+// A state is k groups kept sorted by (sum desc, head asc); groups that are still empty
+// are not stored (they sort last), so singleton states cost O(1) instead of O(k).
+// A group is a linked list over items (next_), so joining two groups is O(1).
+struct KKGroup {
+  int64_t sum;
+  int32_t head;
+  int32_t tail;
+};
+
+inline bool group_before(const KKGroup& a, const KKGroup& b) {
+  return a.sum != b.sum ? a.sum > b.sum : a.head < b.head;
+}
+
+struct HeapKey {
+  int64_t spread;
+  int64_t top;
+  int64_t id;
+};
+
+// Largest spread first, then largest top group, then oldest state.
+struct HeapLess {
+  bool operator()(const HeapKey& a, const HeapKey& b) const {
+    if (a.spread != b.spread) return a.spread < b.spread;
+    if (a.top != b.top) return a.top < b.top;
+    return a.id > b.id;
+  }
+};
+
+class KarmarkarKarp {
+ public:
+  KarmarkarKarp(const int64_t* values, int64_t n, int64_t k) : values_(values), n_(n), k_(k), next_(n, -1) {}
+
+  Groups run(bool equal_size) {
+    std::vector<int32_t> order(n_);
+    for (int64_t i = 0; i < n_; ++i) order[i] = static_cast<int32_t>(i);
+    std::sort(order.begin(), order.end(), [this](int32_t a, int32_t b) {
+      return values_[a] != values_[b] ? values_[a] < values_[b] : a < b;
+    });
+    const int64_t per_state = equal_size ? k_ : 1;
+    states_.reserve(2 * (n_ / per_state) + 1);
+    for (int64_t s = 0; s < n_; s += per_state) {
+      std::vector<KKGroup> groups;
+      groups.reserve(per_state);
+      for (int64_t j = s; j < s + per_state; ++j) groups.push_back({values_[order[j]], order[j], order[j]});
+      std::sort(groups.begin(), groups.end(), group_before);
+      push(std::move(groups));
+    }
+    while (heap_.size() > 1) {
+      const int64_t a = heap_.top().id;
+      heap_.pop();
+      const int64_t b = heap_.top().id;
+      heap_.pop();
+      push(merge(states_[a], states_[b]));
+      std::vector<KKGroup>().swap(states_[a]);
+      std::vector<KKGroup>().swap(states_[b]);
+    }
+    return collect(states_[heap_.top().id]);
+  }
+
+ private:
+  int64_t spread(const std::vector<KKGroup>& g) const {
+    const int64_t low = static_cast<int64_t>(g.size()) == k_ ? g.back().sum : 0;
+    return g.front().sum - low;
+  }
+
+  void push(std::vector<KKGroup> groups) {
+    const int64_t id = static_cast<int64_t>(states_.size());
+    heap_.push({spread(groups), groups.front().sum, id});
+    states_.push_back(std::move(groups));
+  }
+
+  KKGroup join(const KKGroup& x, const KKGroup& y) {
+    next_[x.tail] = y.head;
+    return {x.sum + y.sum, x.head, y.tail};
+  }
+
+  // Group i of the result joins a's i-th largest with b's i-th smallest (empty groups
+  // included). The result is three runs, each sorted: a alone, both, b alone.
+  std::vector<KKGroup> merge(const std::vector<KKGroup>& a, const std::vector<KKGroup>& b) {
+    const int64_t na = a.size(), nb = b.size();
+    const int64_t b_from = std::max<int64_t>(k_ - nb, 0);  // first i where b has a group
+    const int64_t a_only = std::min(na, b_from);
+    std::vector<KKGroup> out;
+    out.reserve(std::min(k_, na + nb));
+    for (int64_t i = 0; i < a_only; ++i) out.push_back(a[i]);
+    for (int64_t i = b_from; i < na; ++i) out.push_back(join(a[i], b[k_ - 1 - i]));
+    const auto both_end = out.size();
+    for (int64_t j = 0; j < k_ - std::max(na, b_from); ++j) out.push_back(b[j]);
+    std::sort(out.begin() + a_only, out.begin() + both_end, group_before);
+    std::inplace_merge(out.begin(), out.begin() + a_only, out.begin() + both_end, group_before);
+    std::inplace_merge(out.begin(), out.begin() + both_end, out.end(), group_before);
+    return out;
+  }
+
+  Groups collect(const std::vector<KKGroup>& groups) const {
+    Groups out;
+    out.reserve(groups.size());
+    for (const auto& g : groups) {
+      std::vector<int64_t> items;
+      for (int32_t i = g.head; i >= 0; i = next_[i]) items.push_back(i);
+      out.push_back(std::move(items));
+    }
+    return out;
+  }
+
+  const int64_t* values_;
+  int64_t n_, k_;
+  std::vector<int32_t> next_;
+  std::vector<std::vector<KKGroup>> states_;
+  std::priority_queue<HeapKey, std::vector<HeapKey>, HeapLess> heap_;
+};
+
+// ------------------------------------------------------------------ refinement
+struct Item {
+  int64_t w;  // balanced quantity
+  int64_t t;  // tokens, for the cap
+  int32_t idx;
+};
+
+inline bool item_before(const Item& a, const Item& b) { return a.w != b.w ? a.w < b.w : a.idx < b.idx; }
+
+struct Bin {
+  std::vector<Item> items;  // sorted by item_before
+  int64_t w = 0;
+  int64_t t = 0;
+};
+
+struct Swap {
+  int64_t x = -1;  // position in the heavy bin
+  int64_t y = -1;  // position in the light bin; -1 = plain move
+  i128 score = 0;  // |D - 2 * delta|, lower is better
+};
+
+std::vector<Bin> make_bins(const Groups& groups, const int64_t* w, const int64_t* t) {
+  std::vector<Bin> bins(groups.size());
+  for (size_t b = 0; b < groups.size(); ++b) {
+    for (int64_t i : groups[b]) {
+      bins[b].items.push_back({w[i], t[i], static_cast<int32_t>(i)});
+      bins[b].w += w[i];
+      bins[b].t += t[i];
+    }
+    std::sort(bins[b].items.begin(), bins[b].items.end(), item_before);
+  }
+  return bins;
+}
+
+class Refiner {
+ public:
+  // cap < 0: no token cap. allow_moves: single items may change bins (group sizes free).
+  Refiner(int64_t cap, bool allow_moves) : cap_(cap), moves_(allow_moves) {}
+
+  // Repeatedly exchange items between the heaviest and the lightest bin so that their
+  // difference shrinks most; max never rises and min never falls, so the spread never
+  // gets worse than the input's.
+  void run(std::vector<Bin>& bins, int64_t max_steps) const {
+    for (int64_t step = 0; step < max_steps; ++step) {
+      auto hi = std::max_element(bins.begin(), bins.end(), [](const Bin& a, const Bin& b) { return a.w < b.w; });
+      auto lo = std::min_element(bins.begin(), bins.end(), [](const Bin& a, const Bin& b) { return a.w < b.w; });
+      const int64_t diff = hi->w - lo->w;
+      if (diff < 2) return;  // integers: no exchange strictly inside (0, diff)
+      Swap best = find(*hi, *lo, diff);
+      if (best.x < 0) return;
+      apply(*hi, *lo, best);
+    }
+  }
+
+ private:
+  bool fits(const Bin& heavy, const Bin& light, const Item& x, const Item* y) const {
+    if (cap_ < 0) return true;
+    const int64_t ty = y ? y->t : 0;
+    return light.t - ty + x.t <= cap_ && heavy.t - x.t + ty <= cap_;
+  }
+
+  // Best (x in heavy, y in light or nothing) with delta = x.w - y.w in (0, diff).
+  Swap find(const Bin& heavy, const Bin& light, int64_t diff) const {
+    Swap best;
+    best.score = diff;  // any admissible delta scores below diff
+    const auto& ys = light.items;
+    const bool can_move = moves_ && heavy.items.size() >= 2;
+    for (int64_t xi = 0; xi < static_cast<int64_t>(heavy.items.size()); ++xi) {
+      const Item& x = heavy.items[xi];
+      if (x.w <= 0) continue;
+      auto consider = [&](int64_t yi) -> bool {  // false: further out on this side is worse
+        const Item* y = yi >= 0 ? &ys[yi] : nullptr;
+        const int64_t delta = x.w - (y ? y->w : 0);
+        if (delta <= 0 || delta >= diff) return false;
+        if (!fits(heavy, light, x, y)) return true;
+        const i128 score = delta * i128(2) > diff ? delta * i128(2) - diff : diff - delta * i128(2);
+        if (score < best.score) best = {xi, yi, score};
+        return false;
+      };
+      if (can_move) consider(-1);
+      // ideal partner: 2 * y.w == 2 * x.w - diff
+      const i128 target = i128(x.w) * 2 - diff;
+      const int64_t p = std::lower_bound(ys.begin(), ys.end(), target,
+                                         [](const Item& y, i128 v) { return i128(y.w) * 2 < v; }) -
+                        ys.begin();
+      for (int64_t j = p; j < static_cast<int64_t>(ys.size()) && j < p + kCapScanWindow; ++j)
+        if (!consider(j)) break;
+      for (int64_t j = p - 1; j >= 0 && j > p - 1 - kCapScanWindow; --j)
+        if (!consider(j)) break;
+      if (best.score <= (diff & 1)) break;  // cannot do better than an exact split
+    }
+    return best;
+  }
+
+  static void insert_sorted(Bin& bin, const Item& it) {
+    bin.items.insert(std::lower_bound(bin.items.begin(), bin.items.end(), it, item_before), it);
+    bin.w += it.w;
+    bin.t += it.t;
+  }
+
+  static Item take(Bin& bin, int64_t pos) {
+    const Item it = bin.items[pos];
+    bin.items.erase(bin.items.begin() + pos);
+    bin.w -= it.w;
+    bin.t -= it.t;
+    return it;
+  }
+
+  static void apply(Bin& heavy, Bin& light, const Swap& s) {
+    const Item x = take(heavy, s.x);
+    if (s.y >= 0) insert_sorted(heavy, take(light, s.y));
+    insert_sorted(light, x);
+  }
+
+  int64_t cap_;
+  bool moves_;
+};
+
+// Bins -> groups: each ascending, groups ordered by their smallest index.
+Groups to_groups(const std::vector<Bin>& bins) {
+  Groups out;
+  out.reserve(bins.size());
+  for (const auto& b : bins) {
+    std::vector<int64_t> g;
+    g.reserve(b.items.size());
+    for (const auto& it : b.items) g.push_back(it.idx);
+    std::sort(g.begin(), g.end());
+    out.push_back(std::move(g));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.front() < b.front(); });
+  return out;
+}
+
+int64_t max_tokens_of(const std::vector<Bin>& bins) {
+  int64_t m = 0;
+  for (const auto& b : bins) m = std::max(m, b.t);
+  return m;
+}
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// ------------------------------------------------------------------ micro-batches
+// Best-fit decreasing on tokens: a packing that always fits, within 11/9 OPT + 1 bins.
+Groups best_fit_decreasing(const int64_t* t, int64_t n, int64_t cap) {
+  std::vector<int32_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
+  std::sort(order.begin(), order.end(), [t](int32_t a, int32_t b) { return t[a] != t[b] ? t[a] > t[b] : a < b; });
+  Groups bins;
+  std::set<std::pair<int64_t, int64_t>> room;  // (remaining tokens, bin)
+  for (int32_t i : order) {
+    auto it = room.lower_bound({t[i], -1});
+    int64_t b;
+    int64_t left;
+    if (it == room.end()) {
+      b = static_cast<int64_t>(bins.size());
+      bins.emplace_back();
+      left = cap;
+    } else {
+      b = it->second;
+      left = it->first;
+      room.erase(it);
+    }
+    bins[b].push_back(i);
+    room.insert({left - t[i], b});
+  }
+  return bins;
+}
+
+// Split the fullest groups (by item count) until there are `count` of them.
+void split_to(Groups& groups, int64_t count) {
+  std::priority_queue<std::pair<int64_t, int64_t>> by_size;  // (items, -group)
+  for (size_t g = 0; g < groups.size(); ++g) by_size.push({static_cast<int64_t>(groups[g].size()), -int64_t(g)});
+  while (static_cast<int64_t>(groups.size()) < count) {
+    const int64_t g = -by_size.top().second;
+    by_size.pop();
+    auto& src = groups[g];
+    const int64_t keep = static_cast<int64_t>(src.size()) - static_cast<int64_t>(src.size()) / 2;
+    std::vector<int64_t> moved(src.begin() + keep, src.end());
+    src.resize(keep);
+    by_size.push({keep, -g});
+    by_size.push({static_cast<int64_t>(moved.size()), -static_cast<int64_t>(groups.size())});
+    groups.push_back(std::move(moved));
+  }
+}
+
+class MicroBatcher {
+ public:
+  MicroBatcher(const int64_t* t, const int64_t* w, int64_t n, int64_t cap)
+      : t_(t), w_(w), n_(n), cap_(cap), steps_(kRefineStepsPerItem * n + 64) {}
+
+  // KK on workloads; when workloads are the tokens, refining first can only lower the
+  // largest bin, so it is done before the cap check.
+  bool try_workloads(int64_t m, Groups& out) const {
+    auto bins = make_bins(KarmarkarKarp(w_, n_, m).run(false), w_, t_);
+    if (w_ == t_) Refiner(-1, true).run(bins, steps_);
+    if (max_tokens_of(bins) > cap_) return false;
+    return finish(bins, out);
+  }
+
+  // Token-balanced KK, then workloads rebalanced under the cap.
+  bool try_tokens(int64_t m, Groups& out) const {
+    auto bins = make_bins(KarmarkarKarp(t_, n_, m).run(false), t_, t_);
+    Refiner(-1, true).run(bins, steps_);
+    if (max_tokens_of(bins) > cap_) return false;
+    return finish(make_bins(to_groups(bins), w_, t_), out);
+  }
+
+  void from_packing(Groups packing, int64_t m, Groups& out) const {
+    split_to(packing, m);
+    finish(make_bins(packing, w_, t_), out);
+  }
+
+ private:
+  bool finish(std::vector<Bin> bins, Groups& out) const {
+    Refiner(cap_, true).run(bins, steps_);
+    out = to_groups(bins);
+    return true;
+  }
+
+  const int64_t *t_, *w_;
+  int64_t n_, cap_, steps_;
+};
+
+}  // namespace
+
+Groups balanced_partitions(const int64_t* values, int64_t n, int64_t k, bool equal_size, bool refine) {
+  check_count(n);
+  if (k < 1) fail("k_partitions must be >= 1, got " + std::to_string(k));
+  if (k > n) fail("k_partitions = " + std::to_string(k) + " exceeds the number of items " + std::to_string(n));
+  if (equal_size && n % k != 0)
+    fail("equal_size needs the number of items (" + std::to_string(n) + ") divisible by k_partitions (" +
+         std::to_string(k) + ")");
+  checked_sum(values, n, "workloads");
+  Groups groups = KarmarkarKarp(values, n, k).run(equal_size);
+  auto bins = make_bins(groups, values, values);
+  if (refine) Refiner(-1, !equal_size).run(bins, kRefineStepsPerItem * n + 64);
+  return to_groups(bins);
+}
+
+Groups micro_batches(const int64_t* tokens, const int64_t* workloads, int64_t n, int64_t max_tokens,
+                     int64_t min_count, int64_t multiple_of) {
+  check_count(n);
+  if (max_tokens < 1) fail("max_token_len must be >= 1, got " + std::to_string(max_tokens));
+  if (min_count < 1) fail("min_num_micro_batches must be >= 1, got " + std::to_string(min_count));
+  if (multiple_of < 1) fail("num_micro_batches_multiple_of must be >= 1, got " + std::to_string(multiple_of));
+  const int64_t total = checked_sum(tokens, n, "seqlens");
+  if (workloads != tokens) checked_sum(workloads, n, "workloads");
+  int64_t halves = 0;  // sequences over half the cap never share a micro-batch
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] > max_tokens)
+      fail("seqlens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) + " exceeds max_token_len = " +
+           std::to_string(max_tokens));
+    halves += 2 * i128(tokens[i]) > max_tokens;
+  }
+  const int64_t lower = round_up(std::max({total / max_tokens + (total % max_tokens != 0), halves, min_count}),
+                                 multiple_of);
+  auto too_many = [&](int64_t m) {
+    fail("cannot make " + std::to_string(m) + " non-empty micro-batches (min_num_micro_batches = " +
+         std::to_string(min_count) + ", multiple of " + std::to_string(multiple_of) + ") from " + std::to_string(n) +
+         " sequences");
+  };
+  if (lower > n) too_many(lower);
+
+  Groups packing = best_fit_decreasing(tokens, n, max_tokens);
+  const int64_t packed = round_up(std::max(static_cast<int64_t>(packing.size()), lower), multiple_of);
+  MicroBatcher mb(tokens, workloads, n, max_tokens);
+  Groups out;
+  int64_t m = lower;
+  // KK is tried at the packing's count too: it is usually better balanced.
+  for (int64_t attempt = 0; attempt < kMaxCountAttempts && m <= packed && m <= n; ++attempt, m += multiple_of) {
+    if (mb.try_workloads(m, out)) return out;
+    if (workloads != tokens && mb.try_tokens(m, out)) return out;
+  }
+  if (packed > n) too_many(packed);
+  mb.from_packing(std::move(packing), packed, out);
+  return out;
+}
+
+std::vector<int64_t> pipeline_order(const std::vector<int64_t>& loads) {
+  const int64_t n = loads.size();
+  if (n == 0) return {};
+  std::vector<int64_t> rank(n);
+  for (int64_t i = 0; i < n; ++i) rank[i] = i;
+  std::sort(rank.begin(), rank.end(),
+            [&](int64_t a, int64_t b) { return loads[a] != loads[b] ? loads[a] > loads[b] : a < b; });
+  // heaviest-first ranks 0,1,2,... placed as ..., 4, 2, 0, 1, 3, ...
+  std::vector<int64_t> order;
+  order.reserve(n);
+  for (int64_t r = (n - 1) / 2 * 2; r >= 0; r -= 2) order.push_back(rank[r]);
+  for (int64_t r = 1; r < n; r += 2) order.push_back(rank[r]);
+  return order;
+}
+
+std::vector<int64_t> attention_workload(const int64_t* seqlens, int64_t n, int64_t hidden) {
+  if (hidden < 1) fail("hidden_size must be >= 1, got " + std::to_string(hidden));
+  std::vector<int64_t> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t L = seqlens[i];
+    if (L < 0) fail("seqlens[" + std::to_string(i) + "] = " + std::to_string(L) + " is negative");
+    int64_t lin, quad;
+    if (__builtin_mul_overflow(L, hidden, &lin) || __builtin_mul_overflow(lin, int64_t(6), &lin) ||
+        __builtin_mul_overflow(L, L, &quad) || __builtin_add_overflow(lin, quad, &out[i]))
+      fail("attention_workload of seqlens[" + std::to_string(i) + "] = " + std::to_string(L) +
+           " overflows int64 with hidden_size = " + std::to_string(hidden));
+  }
+  return out;
+}
+
+}  // namespace balancing
+}  // namespace dapo
+
+// ---------------------------------------------------------------------- bindings
+namespace {
+
+namespace py = pybind11;
+using Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+py::list to_py(const dapo::balancing::Groups& groups) {
+  py::list out(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) out[g] = py::cast(groups[g]);
+  return out;
+}
+
+void check_1d(const Array& a, const char* name) {
+  if (a.ndim() != 1) throw std::invalid_argument(std::string(name) + " must be 1-D, got " + std::to_string(a.ndim()) + "-D");
+}
+
+}  // namespace
+
+void register_balancing(py::module_& m) {
+  namespace bal = dapo::balancing;
+  m.def(
+      "balanced_partitions",
+      [](Array values, int64_t k, bool equal_size, bool refine) {
+        check_1d(values, "workloads");
+        bal::Groups g;
+        {
+          py::gil_scoped_release nogil;
+          g = bal::balanced_partitions(values.data(), values.shape(0), k, equal_size, refine);
+        }
+        return to_py(g);
+      },
+      py::arg("workloads"), py::arg("k_partitions"), py::arg("equal_size"), py::arg("refine") = true,
+      "Karmarkar-Karp partitions of int64 workloads (+ refinement); list[list[int]].");
+  m.def(
+      "micro_batches",
+      [](Array seqlens, py::object workloads, int64_t max_tokens, int64_t min_count, int64_t multiple_of) {
+        check_1d(seqlens, "seqlens");
+        Array w = workloads.is_none() ? seqlens : workloads.cast<Array>();
+        check_1d(w, "workloads");
+        if (w.shape(0) != seqlens.shape(0))
+          throw std::invalid_argument("workloads must have one entry per sequence (" + std::to_string(seqlens.shape(0)) +
+                                      "), got " + std::to_string(w.shape(0)));
+        const int64_t* wp = workloads.is_none() ? seqlens.data() : w.data();
+        bal::Groups g;
+        {
+          py::gil_scoped_release nogil;
+          g = bal::micro_batches(seqlens.data(), wp, seqlens.shape(0), max_tokens, min_count, multiple_of);
+        }
+        return to_py(g);
+      },
+      py::arg("seqlens"), py::arg("workloads"), py::arg("max_token_len"), py::arg("min_num_micro_batches"),
+      py::arg("num_micro_batches_multiple_of"), "Token-capped, workload-balanced micro-batches; list[list[int]].");
+  m.def(
+      "pipeline_order",
+      [](const std::vector<std::vector<int64_t>>& groups, Array workloads) {
+        check_1d(workloads, "workloads");
+        const int64_t n = workloads.shape(0);
+        const int64_t* w = workloads.data();
+        std::vector<int64_t> loads(groups.size(), 0);
+        for (size_t g = 0; g < groups.size(); ++g)
+          for (int64_t i : groups[g]) {
+            if (i < 0 || i >= n)
+              throw std::invalid_argument("micro_batches[" + std::to_string(g) + "] holds index " + std::to_string(i) +
+                                          ", outside 0.." + std::to_string(n - 1));
+            if (w[i] < 0) throw std::invalid_argument("workloads[" + std::to_string(i) + "] is negative");
+            if (__builtin_add_overflow(loads[g], w[i], &loads[g]))
+              throw std::invalid_argument("workloads of micro_batches[" + std::to_string(g) + "] overflow int64");
+          }
+        return bal::pipeline_order(loads);
+      },
+      py::arg("micro_batches"), py::arg("workloads"), "Pipeline-friendly order of micro-batches; list[int].");
+  m.def(
+      "attention_workload",
+      [](Array seqlens, int64_t hidden) {
+        check_1d(seqlens, "seqlens");
+        auto w = bal::attention_workload(seqlens.data(), seqlens.shape(0), hidden);
+        Array out(static_cast<py::ssize_t>(w.size()));
+        std::copy(w.begin(), w.end(), out.mutable_data());
+        return out;
+      },
+      py::arg("seqlens"), py::arg("hidden_size"), "6*h*L + L*L per sequence as an int64 numpy array.");
+}

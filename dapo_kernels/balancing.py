@@ -1,0 +1,168 @@
+"""Sequence-length balancing: data-parallel partitions, token-capped micro-batches.
+
+Host-side C++ (``csrc/balancing.cpp``, bound into ``dapo_kernels._C``), exact in int64
+and deterministic (the same input always gives the same output). Drop-in for verl's
+``get_seqlen_balanced_partitions`` / ``rearrange_micro_batches`` index logic:
+
+* :func:`balanced_partitions` - Karmarkar-Karp's largest differencing method, then a
+  refinement pass that moves / swaps items between the heaviest and the lightest
+  partition. The refinement never raises the largest sum nor lowers the smallest, so the
+  spread is never worse than plain Karmarkar-Karp's on the same input.
+* :func:`micro_batches` - the fewest micro-batches the search finds whose token sums
+  stay <= ``max_token_len`` (a hard guarantee), balanced by ``workloads``.
+* :func:`attention_workload` - ``6*h*L + L*L``: dense-layer plus attention cost.
+* :func:`pipeline_order` - the order to run micro-batches in under pipeline parallelism.
+
+Inputs (``workloads`` / ``seqlens``) may be a list, a numpy array or a tensor of any
+integer dtype on any device; they reach C++ as one int64 buffer without per-element
+Python work (a tensor is copied to the host once).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import _C
+from ._validation import check_int
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _as_int64(name: str, values) -> np.ndarray:
+    """1-D int64 numpy view/copy of a list, numpy array or tensor of integers."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise ValueError(f"{name} must have an integer dtype, got {values.dtype}")
+        values = values.detach().cpu().numpy()
+    elif not isinstance(values, np.ndarray):
+        if not isinstance(values, (list, tuple, range)):
+            raise TypeError(f"{name} must be a list, numpy array or torch.Tensor, got {type(values).__name__}")
+        try:
+            values = np.asarray(values) if len(values) else np.empty(0, dtype=np.int64)
+        except (OverflowError, ValueError) as e:
+            raise ValueError(f"{name} must hold integers in the int64 range: {e}") from None
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"{name} must have an integer dtype, got {values.dtype}")
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {list(values.shape)}")
+    if values.dtype == np.uint64 and values.size and values.max() > _INT64_MAX:
+        raise ValueError(f"{name} holds values past the int64 range (max {int(values.max())})")
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+def balanced_partitions(workloads, k_partitions: int, equal_size: bool = False) -> List[List[int]]:
+    """Split ``range(n)`` into ``k_partitions`` groups with balanced workload sums.
+
+    Args:
+        workloads: ``[n]`` non-negative integers (list / numpy / tensor, any int dtype).
+        k_partitions: number of groups, ``1 <= k_partitions <= n``.
+        equal_size: every group gets exactly ``n // k_partitions`` items (``n`` must be a
+            multiple of ``k_partitions``).
+
+    Returns:
+        ``list[list[int]]``: ``k_partitions`` non-empty groups covering every index once,
+        each ascending, groups ordered by their smallest index.
+
+    Raises:
+        ValueError: ``k_partitions`` out of range, ``n % k_partitions != 0`` with
+            ``equal_size``, a negative or non-integer workload.
+    """
+    w = _as_int64("workloads", workloads)
+    k = check_int("k_partitions", k_partitions, minimum=1)
+    if not isinstance(equal_size, bool):
+        raise TypeError(f"equal_size must be a bool, got {type(equal_size).__name__}")
+    return _C.balanced_partitions(w, k, equal_size)
+
+
+def micro_batches(
+    seqlens,
+    max_token_len: int,
+    *,
+    workloads=None,
+    min_num_micro_batches: int = 1,
+    num_micro_batches_multiple_of: int = 1,
+) -> List[List[int]]:
+    """Split a batch into micro-batches of at most ``max_token_len`` tokens each.
+
+    The count starts at the lower bound ``max(ceil(sum / cap), #sequences over cap/2,
+    min_num_micro_batches)`` rounded up to ``num_micro_batches_multiple_of``, and grows
+    until a Karmarkar-Karp partition of the workloads (or, failing that, of the tokens)
+    fits the cap; a best-fit-decreasing packing bounds it from above, so it never exceeds
+    ``ceil-to-multiple(max(best-fit count, lower bound))``. Within the chosen count,
+    workload sums are balanced by moves / swaps that keep every micro-batch under the cap.
+
+    For data-parallel training where every rank must run the same number of micro-batches,
+    call once, all-reduce ``len(result)`` with MAX, and call again with
+    ``min_num_micro_batches`` set to it (``num_micro_batches_multiple_of``: e.g. the
+    virtual pipeline size).
+
+    Args:
+        seqlens: ``[n]`` tokens per sequence, non-negative integers (list / numpy / tensor).
+        max_token_len: token cap per micro-batch, >= 1.
+        workloads: ``[n]`` non-negative integers to balance (default: ``seqlens``); see
+            :func:`attention_workload` for attention-heavy long sequences.
+        min_num_micro_batches: at least this many micro-batches.
+        num_micro_batches_multiple_of: the count is a multiple of this.
+
+    Returns:
+        ``list[list[int]]``: non-empty micro-batches covering every index once, each
+        ascending, ordered by their smallest index (see :func:`pipeline_order`).
+
+    Raises:
+        ValueError: a sequence longer than ``max_token_len`` (its index and length are
+            named), the required count exceeds ``n`` (every micro-batch is non-empty),
+            negative values, ``workloads`` of another length.
+    """
+    t = _as_int64("seqlens", seqlens)
+    w = None if workloads is None else _as_int64("workloads", workloads)
+    cap = check_int("max_token_len", max_token_len, minimum=1)
+    lo = check_int("min_num_micro_batches", min_num_micro_batches, minimum=1)
+    mult = check_int("num_micro_batches_multiple_of", num_micro_batches_multiple_of, minimum=1)
+    return _C.micro_batches(t, w, cap, lo, mult)
+
+
+def attention_workload(seqlens, hidden_size: int) -> np.ndarray:
+    """Relative cost of a sequence of ``L`` tokens: ``6*h*L + L*L``.
+
+    ``6*h*L`` stands for the dense layers (linear in L), ``L*L`` for attention scores;
+    with ``h = 4096`` this is verl's ``24576*L + L**2``.
+
+    Args:
+        seqlens: ``[n]`` non-negative integers (list / numpy / tensor).
+        hidden_size: model hidden size ``h``, >= 1.
+
+    Returns:
+        ``np.ndarray`` int64 ``[n]`` (ValueError if a value overflows int64).
+    """
+    return _C.attention_workload(_as_int64("seqlens", seqlens), check_int("hidden_size", hidden_size, minimum=1))
+
+
+def pipeline_order(micro_batches: Sequence[Sequence[int]], workloads) -> List[int]:
+    """Order in which to run micro-batches under a pipeline-parallel (1F1B) schedule.
+
+    Micro-batches are ranked by total workload, heaviest first (ties: lower position
+    first), and laid out as ``[..., r4, r2, r0, r1, r3, ...]``: the heaviest in the
+    middle, the lightest at both ends, and neighbours at most two ranks apart. Why:
+
+    * the warm-up bubble is the first micro-batch's forward through every earlier stage
+      and the cool-down bubble the last one's backward, so light ends shrink both;
+    * in the steady state consecutive stages work on consecutive micro-batches, so
+      neighbours of similar weight keep adjacent stages from waiting on each other.
+
+    Args:
+        micro_batches: ``list[list[int]]`` of sequence indices (e.g. from
+            :func:`micro_batches`).
+        workloads: ``[n]`` per-sequence non-negative integers the indices refer to.
+
+    Returns:
+        ``list[int]``: a permutation of ``range(len(micro_batches))``; run
+        ``micro_batches[i] for i in order``.
+    """
+    if not isinstance(micro_batches, (list, tuple)):
+        raise TypeError(f"micro_batches must be a list of lists of ints, got {type(micro_batches).__name__}")
+    return _C.pipeline_order(micro_batches, _as_int64("workloads", workloads))
+
+
+__all__ = ["balanced_partitions", "micro_batches", "attention_workload", "pipeline_order"]

@@ -114,19 +114,20 @@ def test_group_size_shortcut(be, n, G):
 
 # ----------------------------------------------------------------------------- awkward cases
 @pytest.mark.parametrize("be", ["torch", "triton"])
-def test_identical_values_have_std_exactly_zero(be):
+@pytest.mark.parametrize("layout", ["index", "contig"])
+def test_identical_values_have_std_exactly_zero(be, layout):
     # np.std rounds to a nonzero value here, so verl would keep these groups.
-    vals = [0.1, 0.7, 0.1]
-    sizes = [3, 6, 7]
-    assert all(np.std([v] * n) > 0 for v, n in zip(vals, sizes))
-    scores = torch.cat([torch.full((n,), v, dtype=torch.float64) for v, n in zip(vals, sizes)])
-    scores = torch.cat([scores, torch.tensor([-0.0, 0.0, 0.0])])  # -0.0 == 0.0: one value
-    gi = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes + [3]))
+    vals, n = [0.1, 0.7, 0.1 + 2**-50], 7
+    assert all(np.std([v] * n) > 0 for v in vals)
+    scores = torch.tensor(vals, dtype=torch.float64).repeat_interleave(n)
+    scores = torch.cat([scores, torch.tensor([-0.0, 0.0] * 3 + [0.0])])  # -0.0 == 0.0: one value
+    G = len(vals) + 1
+    gi = torch.arange(G).repeat_interleave(n)
     with backend(be):
-        res = dk.group_filter(scores, gi, 4)
+        res = dk.group_filter(scores, group_size=n) if layout == "contig" else dk.group_filter(scores, gi, G)
     assert not res.keep.any() and int(res.num_kept_groups) == 0
     assert_equal(res.advantages, torch.zeros(scores.numel()), "advantages")
-    assert_equal(res.group_std, torch.zeros(4), "group_std")
+    assert_equal(res.group_std, torch.zeros(G), "group_std")
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])

@@ -8,7 +8,7 @@ move whole rows of ``F = prod(x.shape[2:])`` elements through one row-map kernel
   padded output is written exactly once (no separate zero fill).
 
 Index metadata (``cu_seqlens``, ``indices``, ``seqused``) is built on the device with
-``cumsum`` and a scatter, never ``nonzero()``.
+``cumsum`` and ``searchsorted``, never ``nonzero()``.
 """
 from __future__ import annotations
 
@@ -105,15 +105,17 @@ def _scatter_rows_triton(x: torch.Tensor, indices: torch.Tensor, num_rows: int) 
     return _launch_pack_rows(x.contiguous(), _inverse_row_map(indices, num_rows), num_rows, pad=True)
 
 
+def _first_position_reaching(count: torch.Tensor, n: int) -> torch.Tensor:
+    """positions p_i = min{p : count[p] >= i + 1} for i < n, given a running count (int64 [n])."""
+    targets = torch.arange(1, n + 1, device=count.device, dtype=count.dtype)
+    return torch.searchsorted(count, targets)
+
+
 def _complement_rows(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Rows of ``[0, num_rows)`` not in ``indices``, ascending; sized on the host, no sync."""
     is_pad = torch.ones(num_rows, dtype=torch.bool, device=indices.device)
     is_pad[indices] = False
-    n_pad = num_rows - indices.numel()
-    dest = torch.where(is_pad, torch.cumsum(is_pad, 0) - 1, n_pad)
-    out = torch.empty(n_pad + 1, dtype=torch.int64, device=indices.device)
-    out.scatter_(0, dest, torch.arange(num_rows, device=indices.device))
-    return out[:n_pad]
+    return _first_position_reaching(torch.cumsum(is_pad, 0), num_rows - indices.numel())
 
 
 @register("scatter_rows", "torch")
@@ -223,7 +225,7 @@ def unpad_input(
 
     Host synchronisation: exactly one, reading ``(nnz, max_seqlen)`` together; ``nnz``
     sizes the output and ``max_seqlen`` is returned as a Python int. ``cu_seqlens`` and
-    ``indices`` are built on the device by cumsum + scatter (no ``nonzero()``).
+    ``indices`` are built on the device by cumsum + searchsorted (no ``nonzero()``).
     Differentiable w.r.t. ``hidden_states``; the backward is :func:`pad_input`.
     """
     check_tensor("hidden_states", hidden_states)
@@ -238,15 +240,12 @@ def unpad_input(
     seqlens = all_mask.sum(dim=1, dtype=torch.int32) if unused_mask is not None else seqused
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
     flat = all_mask.reshape(-1)
-    rank = torch.cumsum(flat, dim=0) - 1  # destination of each kept token
+    count = torch.cumsum(flat, dim=0)  # tokens up to and including each position
     max_len = seqlens.max() if B > 0 else seqlens.new_zeros(())
-    nnz, max_seqlen = torch.stack([rank[-1] + 1 if flat.numel() else rank.new_zeros(()),
-                                   max_len.to(rank.dtype)]).tolist()
-    # Dropped positions scatter into a spare slot at the end that is then cut off.
-    dest = torch.where(flat, rank, torch.full_like(rank, nnz))
-    indices = torch.empty(nnz + 1, dtype=torch.int64, device=flat.device)
-    indices.scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
-    indices = indices[:nnz]
+    nnz, max_seqlen = torch.stack([count[-1] if flat.numel() else count.new_zeros(()),
+                                   max_len.to(count.dtype)]).tolist()
+    # The i-th token sits at the first position whose running count reaches i+1.
+    indices = _first_position_reaching(count, nnz)
     feat_shape = hidden_states.shape[2:]
     # Explicit widths: reshape(-1) is ambiguous for empty tensors and new_empty would cut the graph.
     x2d = hidden_states.reshape(B * S, feat_shape.numel())

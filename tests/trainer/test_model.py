@@ -261,3 +261,16 @@ def test_bad_forward_input(case):
     }[case]
     with pytest.raises(ValueError, match=match):
         model(*args)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6], ids=["T1", "T0.6"])
+def test_log_probs_fused_equals_log_softmax_of_logits(temperature):
+    model = tiny_model(tie_word_embeddings=True)
+    _, _, packed, cu, S = random_batch([8, 3, 15])
+    labels = torch.randint(0, VOCAB, packed.shape)
+    with torch.no_grad():
+        hidden = model(packed, cu, S)
+        log_prob, entropy = model.log_probs(hidden, labels, temperature=temperature, return_entropy=True)
+        ref = torch.log_softmax(model.logits(hidden).double() / temperature, dim=-1)
+    assert rel_err(log_prob, ref.gather(1, labels[:, None]).squeeze(1)) < PARITY_RTOL
+    assert rel_err(entropy, -(ref.exp() * ref).sum(-1)) < PARITY_RTOL

@@ -314,22 +314,23 @@ class _LossHead:
         mask = self.mask[sl]
         w = self.w if self.w.numel() == 1 else self.w[sl]
         loss, dl, clip, clip_low, nkl = pg_token_terms(lp, self.old[sl], self.adv[sl], *self.clips)
-        wm = torch.where(mask, w.float(), 0.0)
+        wm = torch.where(mask, w, 0.0)
         g_lp = wm * dl
-        zero = lp.new_zeros(())
+        m = mask.double()
+        zero = m.new_zeros(())
         ent_sum, kl_sum, g_ent = zero, zero, torch.zeros_like(lp)
+        # fp64 token math and sums, as in policy_loss.
         if self.ent_coef:
-            ent_sum = torch.where(mask, wm * ent, 0.0).sum()
+            ent_sum = torch.where(mask, wm * ent.double(), 0.0).sum()
             g_ent = -self.ent_coef * wm
         if self.kl_coef:
             kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type)
-            kl_sum = torch.where(mask, wm * kl_val, 0.0).sum()
+            kl_sum = torch.where(mask, wm * kl_val.double(), 0.0).sum()
             g_lp = g_lp + self.kl_coef * wm * kl_grad
         pg_sum = torch.where(mask, wm * loss, 0.0).sum()
-        m = mask.float()
-        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum, (m * clip).sum(),
-                            (m * clip_low).sum(), (m * -nkl).sum(), m.sum(), ent_sum, kl_sum])
-        return g_lp, g_ent, sums
+        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum, m @ clip,
+                            m @ clip_low, m @ -nkl, m.sum(), ent_sum, kl_sum])
+        return g_lp.float(), g_ent.float(), sums
 
 
 @register("fused_linear_policy_loss", "torch")
@@ -339,7 +340,7 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
     w32 = weight.float()
     log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    sums = torch.zeros(_NUM_SUMS, dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=hidden.device)
     d_h = torch.empty((n, h) if compute_grad else (0, h), dtype=torch.float32, device=hidden.device)
     d_w = torch.zeros(w32.shape if compute_grad else (0, h), dtype=torch.float32, device=hidden.device)
     step = _chunk_rows(v, n)
@@ -427,7 +428,7 @@ _linear_log_probs_op.register_autograd(_llp_backward, setup_context=_llp_setup)
 def _fused_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tokens: List[torch.Tensor],
               params: List[float], kl_type: str, vocab_start: int, group: str, entropy: bool, compute_grad: bool
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sums [8], log_prob [N], entropy [N], dH, dW); dH/dW are empty unless ``compute_grad``.
+    """(sums fp64 [8], log_prob [N], entropy [N], dH, dW); dH/dW are empty unless ``compute_grad``.
 
     ``tokens`` = [old_log_prob, advantages, mask (bool), weights (1 or N), ref_log_prob];
     ``params`` = [temperature, clip_low, clip_high, clip_c, entropy_coeff, kl_coef].
@@ -444,7 +445,7 @@ def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entro
     f32 = dict(dtype=torch.float32)
     d_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0, hidden.shape[1]))
     d_w = torch.empty_like(weight) if compute_grad else weight.new_empty((0, weight.shape[1]))
-    return hidden.new_empty((_NUM_SUMS,), **f32), hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), d_h, d_w
+    return hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), d_h, d_w
 
 
 def _fused_setup(ctx, inputs, output):
@@ -603,9 +604,9 @@ def fused_linear_policy_loss(
     sums, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, tokens, params, kl_type, vocab_start, key,
                                           entropy, compute_grad)
     metrics = metrics_from_counts(sums[2], sums[3], sums[4], sums[5])
-    metrics.update(pg_loss=sums[1].detach(), log_prob=log_prob.detach())
+    metrics.update(pg_loss=sums[1].detach().float(), log_prob=log_prob.detach())
     if entropy:
-        metrics.update(entropy_loss=sums[6].detach(), entropy=ent.detach())
+        metrics.update(entropy_loss=sums[6].detach().float(), entropy=ent.detach())
     if kl_coef:
-        metrics["kl_loss"] = sums[7].detach()
-    return sums[0], metrics
+        metrics["kl_loss"] = sums[7].detach().float()
+    return sums[0].float(), metrics

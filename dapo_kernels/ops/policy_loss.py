@@ -33,7 +33,7 @@ _NUM_SUMS = 5
 # --------------------------------------------------------------------------- kernels
 @triton.jit
 def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
-    """Per-token loss, dL/dlog_prob and the metric indicators (all fp32)."""
+    """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64)."""
     b_d = b_lp - b_old
     b_nkl = tl.minimum(tl.maximum(b_d, -20.0), 20.0)
     b_ratio = tl.exp(b_nkl)
@@ -47,8 +47,8 @@ def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
     # saturates, so its gradient is zero) and not where the dual clip pg3 wins.
     b_pass = (b_d >= -20.0) & (b_d <= 20.0) & (b_pg1 >= b_pg2) & ((~b_neg) | (b_c1 < b_pg3))
     b_dl = tl.where(b_pass, b_pg1, 0.0)
-    b_clip = (b_pg2 > b_pg1).to(tl.float32)
-    b_clip_low = ((b_c1 > b_pg3) & b_neg).to(tl.float32)
+    b_clip = (b_pg2 > b_pg1).to(tl.float64)
+    b_clip_low = ((b_c1 > b_pg3) & b_neg).to(tl.float64)
     return b_loss, b_dl, b_clip, b_clip_low, b_nkl
 
 
@@ -60,11 +60,13 @@ def _policy_loss_fwd_kernel(
     i_b = tl.program_id(0)
     o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_t = o_t < n_tok
-    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float32)
-    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float32)
-    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float32)
-    b_m = (tl.load(p_mask + o_t, mask=m_t, other=0) != 0).to(tl.float32)
-    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float32)
+    # fp64 token math: free next to the loads, and the loss sums terms of both signs
+    # whose fp32 rounding errors would dominate its error.
+    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float64)
+    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float64)
+    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float64)
+    b_m = (tl.load(p_mask + o_t, mask=m_t, other=0) != 0).to(tl.float64)
+    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float64)
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
     p_out = p_part + i_b.to(tl.int64) * 5
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
@@ -82,24 +84,27 @@ def _policy_loss_bwd_kernel(
     i_b = tl.program_id(0)
     o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_t = o_t < n_tok
-    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float32)
-    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float32)
-    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float32)
+    # fp64 token math: free next to the loads, and the loss sums terms of both signs
+    # whose fp32 rounding errors would dominate its error.
+    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float64)
+    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float64)
+    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float64)
     b_m = tl.load(p_mask + o_t, mask=m_t, other=0) != 0
-    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float32)
-    b_g = tl.load(p_g).to(tl.float32)
+    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float64)
+    b_g = tl.load(p_g).to(tl.float64)
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
     b_grad = tl.where(b_m, b_g * b_w * b_dl, 0.0)
-    tl.store(p_dlp + o_t, b_grad.to(p_dlp.dtype.element_ty), mask=m_t)
+    # Through fp32: triton 3.9's interpreter converts fp64 -> bf16 wrongly (NaN, garbage).
+    tl.store(p_dlp + o_t, b_grad.to(tl.float32).to(p_dlp.dtype.element_ty), mask=m_t)
 
 
 # --------------------------------------------------------------------------- launchers
 @register("policy_loss_sums", "triton")
 def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     n = lp.numel()
-    part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float32, device=lp.device)
+    part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float64, device=lp.device)
     if n == 0:
-        return part.zero_().sum(0)
+        return part.zero_()[0]
     _policy_loss_fwd_kernel[(cdiv(n, _BLOCK),)](
         lp, old, adv, mask.view(torch.uint8), w, part, n, clip_low, clip_high, clip_c,
         W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
@@ -113,15 +118,19 @@ def _grad_triton(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
     if n:
         _policy_loss_bwd_kernel[(cdiv(n, _BLOCK),)](
-            g.reshape(1).float(), lp, old, adv, mask.view(torch.uint8), w, dlp, n, clip_low, clip_high, clip_c,
+            g.reshape(1), lp, old, adv, mask.view(torch.uint8), w, dlp, n, clip_low, clip_high, clip_c,
             W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
         )
     return dlp
 
 
 def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: float):
-    """Torch twin of the kernels' ``_pg_token_terms``: fp32 (loss, dL/dlp, clip, clip_lower, log-ratio)."""
-    lp, old, adv = lp.float(), old.float(), adv.float()
+    """Torch twin of the kernels' ``_pg_token_terms``: fp64 (loss, dL/dlp, clip, clip_lower, log-ratio).
+
+    fp64 because the loss sums terms of both signs (log-ratios reach +-20 while their mean is
+    ~0.01), where fp32 rounding of each term would dominate; it is cheap next to the loads.
+    """
+    lp, old, adv = lp.double(), old.double(), adv.double()
     d = lp - old
     nkl = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = nkl.exp()
@@ -133,34 +142,37 @@ def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: floa
     loss = torch.where(neg, torch.minimum(pg3, c1), c1)
     passes = (d.abs() <= _LOG_RATIO_CLAMP) & (pg1 >= pg2) & (~neg | (c1 < pg3))
     dl = torch.where(passes, pg1, 0.0)
-    return loss, dl, (pg2 > pg1).float(), ((c1 > pg3) & neg).float(), nkl
+    return loss, dl, (pg2 > pg1).double(), ((c1 > pg3) & neg).double(), nkl
 
 
 @register("policy_loss_sums", "torch")
 def _sums_torch(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
-    m = mask.float()
-    wl = torch.where(mask, w.float() * loss, 0.0)
-    return torch.stack([wl.sum(), (m * clip).sum(), (m * clip_low_ind).sum(), (m * -nkl).sum(), m.sum()])
+    m = mask.double()
+    wl = torch.where(mask, w.double() * loss, 0.0)
+    return torch.stack([wl.sum(), m @ clip, m @ clip_low_ind, m @ -nkl, m.sum()])
 
 
 @register("policy_loss_grad", "torch")
 def _grad_torch(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     _, dl, _, _, _ = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
-    return torch.where(mask, g.float() * w.float() * dl, 0.0).to(lp.dtype)
+    return torch.where(mask, g.double() * w.double() * dl, 0.0).to(lp.dtype)
 
 
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("dapo::policy_loss_sums", mutates_args=())
 def policy_loss_sums(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, w: torch.Tensor,
                      clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
-    """fp32 ``[5]``: sum(w*mask*L), #clipped, #dual-clipped, sum(-log-ratio), #tokens over flat ``[N]`` inputs."""
+    """fp64 ``[5]``: sum(w*mask*L), #clipped, #dual-clipped, sum(-log-ratio), #tokens over flat ``[N]`` inputs.
+
+    Per-token math and sums in fp64 (log-ratio terms reach +-20 while their mean is ~0.01).
+    """
     return dispatch("policy_loss_sums", lp.device)(lp, old, adv, mask, w, clip_low, clip_high, clip_c)
 
 
 @policy_loss_sums.register_fake
 def _(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
-    return lp.new_empty((_NUM_SUMS,), dtype=torch.float32)
+    return lp.new_empty((_NUM_SUMS,), dtype=torch.float64)
 
 
 @torch.library.custom_op("dapo::policy_loss_grad", mutates_args=())
@@ -197,41 +209,41 @@ def _as_count(name: str, value, device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        return value.reshape(()).to(device=device, dtype=torch.float32)
+        return value.reshape(()).to(device=device, dtype=torch.float64)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be an int, a float or a 1-element tensor, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-    return torch.tensor(float(value), device=device)
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
     """(masked tokens per sequence [B], sequence id per token or None, horizon)."""
     if mask.dim() == 2:
-        return mask.sum(-1, dtype=torch.float32), None, torch.tensor(float(mask.shape[-1]), device=mask.device)
+        return mask.sum(-1, dtype=torch.float64), None, torch.tensor(float(mask.shape[-1]), dtype=torch.float64, device=mask.device)
     cu = cu_seqlens.long()
-    csum = torch.nn.functional.pad(torch.cumsum(mask, 0, dtype=torch.float32), (1, 0))
+    csum = torch.nn.functional.pad(torch.cumsum(mask, 0, dtype=torch.float64), (1, 0))
     lens = cu[1:] - cu[:-1]
     seq_id = torch.repeat_interleave(torch.arange(lens.numel(), device=mask.device), lens, output_size=mask.numel())
-    horizon = lens.max().float() if lens.numel() else torch.zeros((), device=mask.device)
+    horizon = lens.max().double() if lens.numel() else torch.zeros((), dtype=torch.float64, device=mask.device)
     return csum[cu[1:]] - csum[cu[:-1]], seq_id, horizon
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_seqs=None,
                         cu_seqlens: Optional[torch.Tensor] = None, loss_scale_factor=None) -> torch.Tensor:
-    """Per-token weights ``w`` with ``loss = sum(w * mask * L)`` for ``mode`` (fp32, 1 or N elements).
+    """Per-token weights ``w`` with ``loss = sum(w * mask * L)`` for ``mode`` (fp64, 1 or N elements).
 
     ``mask`` is bool ``[B, T]`` or packed ``[N]`` (then ``cu_seqlens`` for the seq modes).
     Counts that are zero are clamped to 1: an all-masked batch then sums to exactly 0.
     """
     dev = mask.device
     if mode == "token-mean":
-        n = mask.sum(dtype=torch.float32) if num_tokens is None else _as_count("num_tokens", num_tokens, dev)
+        n = mask.sum(dtype=torch.float64) if num_tokens is None else _as_count("num_tokens", num_tokens, dev)
         return (1.0 / n.clamp(min=1.0)).reshape(1)
     if mode == "token-sum":
-        return torch.ones(1, device=dev)
+        return torch.ones(1, dtype=torch.float64, device=dev)
     lens, seq_id, horizon = _seq_lengths(mask, cu_seqlens)
-    present = (lens > 0).float()
+    present = (lens > 0).double()
     nseq = present.sum() if num_seqs is None else _as_count("num_seqs", num_seqs, dev)
     w_seq = present / nseq.clamp(min=1.0)
     if mode == "seq-mean-token-mean":
@@ -281,8 +293,8 @@ def check_agg(mode, shape_like: torch.Tensor, cu_seqlens) -> None:
 
 def metrics_from_counts(clipped, clipped_lower, neg_kl_sum, count) -> Dict[str, torch.Tensor]:
     n = count.clamp(min=1.0)
-    return {"pg_clipfrac": (clipped / n).detach(), "pg_clipfrac_lower": (clipped_lower / n).detach(),
-            "ppo_kl": (neg_kl_sum / n).detach()}
+    return {"pg_clipfrac": (clipped / n).detach().float(), "pg_clipfrac_lower": (clipped_lower / n).detach().float(),
+            "ppo_kl": (neg_kl_sum / n).detach().float()}
 
 
 def policy_loss(
@@ -333,4 +345,4 @@ def policy_loss(
                             loss_scale_factor=loss_scale_factor)
     flat = [t.reshape(-1).contiguous() for t in (log_prob, old_log_prob, advantages, mask)]
     sums = policy_loss_sums(*flat, w, *clips)
-    return sums[0], metrics_from_counts(sums[1], sums[2], sums[3], sums[4])
+    return sums[0].float(), metrics_from_counts(sums[1], sums[2], sums[3], sums[4])

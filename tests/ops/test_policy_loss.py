@@ -1,0 +1,148 @@
+"""dk.policy_loss against verl-semantics float64 references, both backends."""
+import math
+
+import pytest
+import torch
+
+import dapo_kernels as dk
+from dapo_kernels.reference import policy_loss_ref
+from tests.helpers import assert_close_to_ref, assert_no_nan, backend, case_id, cu_seqlens_from
+
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+CLIPS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+
+
+def log_ratios(n: int) -> torch.Tensor:
+    """Mixture: near 0, 2-5% either side of log(0.8), log(1.28), log(3), and beyond +-20."""
+    near_bound = torch.tensor([math.log(0.8), math.log(1.28), math.log(3.0)])[torch.randint(0, 3, (n,))]
+    side = torch.where(torch.rand(n) < 0.5, -1.0, 1.0)
+    kinds = torch.randint(0, 4, (n,))
+    return torch.where(kinds == 0, torch.randn(n) * 0.05,
+                       torch.where(kinds == 3, side * (20.5 + 10 * torch.rand(n)),
+                                   near_bound + side * (0.02 + 0.03 * torch.rand(n))))
+
+
+def make_inputs(shape, dtype, *, masked_row=True):
+    n = math.prod(shape)
+    lp = -3 * torch.rand(n)
+    old = lp - log_ratios(n)
+    adv = torch.randn(n) * (torch.rand(n) > 0.1)  # some exact zeros
+    mask = torch.rand(n) > 0.25
+    lp, old, adv, mask = (t.reshape(shape) for t in (lp, old, adv, mask))
+    if masked_row and len(shape) == 2 and shape[0] > 1:
+        mask[1] = False
+    return lp.to(dtype), old.to(dtype), adv.to(dtype), mask
+
+
+def run_both(lp, old, adv, mask, be, **kw):
+    """(loss, metrics, grad) from dk; (loss, metrics, grad) from the reference in float64 and in lp's dtype."""
+    x = lp.clone().requires_grad_()
+    with backend(be):
+        loss, metrics = dk.policy_loss(x, old, adv, mask, **CLIPS, **kw)
+        (grad,) = torch.autograd.grad(loss, x)
+    refs = []
+    for dt in (torch.float64, lp.dtype):
+        r = lp.to(dt).requires_grad_()
+        rl, rm = policy_loss_ref(r, old.to(dt), adv.to(dt), mask, **CLIPS, **kw)
+        refs.append((rl, rm, torch.autograd.grad(rl, r)[0] if rl.requires_grad else torch.zeros_like(r)))
+    return (loss, metrics, grad), refs[0], refs[1]
+
+
+def check(ours, ref64, ref_dt):
+    loss, metrics, grad = ours
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_close_to_ref(loss, ref64[0], ref_dt[0], name="loss")
+    assert_close_to_ref(grad, ref64[2], ref_dt[2], name="grad")
+    for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        assert not metrics[k].requires_grad and metrics[k].dim() == 0
+        assert_close_to_ref(metrics[k], ref64[1][k], ref_dt[1][k], name=k)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B,T,dtype", [pytest.param(*c, id=case_id(B=c[0], T=c[1], dtype=c[2])) for c in
+                                       [(3, 37, torch.float32), (1, 1, torch.float32), (4, 70, torch.bfloat16)]])
+def test_padded_matches_reference(be, mode, B, T, dtype):
+    lp, old, adv, mask = make_inputs((B, T), dtype)
+    check(*run_both(lp, old, adv, mask, be, loss_agg_mode=mode))
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_matches_reference(be, mode):
+    lengths = [5, 0, 1, 40, 13]
+    cu = cu_seqlens_from(lengths)
+    lp, old, adv, mask = make_inputs((sum(lengths),), torch.float32)
+    mask[45:58] = False  # the last sequence is fully masked
+    kw = dict(loss_agg_mode=mode, cu_seqlens=cu if mode.startswith("seq") else None)
+    check(*run_both(lp, old, adv, mask, be, **kw))
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_all_masked_gives_zero_loss_and_grad(be, mode):
+    lp, old, adv, _ = make_inputs((2, 9), torch.float32)
+    x = lp.requires_grad_()
+    with backend(be):
+        loss, metrics = dk.policy_loss(x, old, adv, torch.zeros(2, 9, dtype=torch.bool), loss_agg_mode=mode)
+        loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert all(v.item() == 0.0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode,count_kw", [("token-mean", "num_tokens"), ("seq-mean-token-mean", "num_seqs")])
+def test_global_counts_make_micro_batches_exact(be, mode, count_kw):
+    """Summing micro-batch losses normalised by the global count == the full-batch loss."""
+    lp, old, adv, mask = make_inputs((6, 21), torch.float32, masked_row=False)
+    with backend(be):
+        full, _ = dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode)
+        total = mask.sum() if count_kw == "num_tokens" else torch.tensor(6)
+        parts = [dk.policy_loss(lp[s], old[s], adv[s], mask[s], loss_agg_mode=mode, **{count_kw: total})[0]
+                 for s in (slice(0, 2), slice(2, 6))]
+    ref, _ = policy_loss_ref(lp.double(), old.double(), adv.double(), mask, loss_agg_mode=mode)
+    assert_close_to_ref(full, ref, policy_loss_ref(lp, old, adv, mask, loss_agg_mode=mode)[0], name="full")
+    assert_close_to_ref(parts[0] + parts[1], ref, full, name="sum of micro-batches", factor=4.0)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_empty_input(be):
+    z = torch.zeros(0)
+    with backend(be):
+        loss, metrics = dk.policy_loss(z, z, z, torch.zeros(0, dtype=torch.bool))
+    assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
+
+
+def test_integer_mask_equals_bool_mask():
+    lp, old, adv, mask = make_inputs((2, 11), torch.float32)
+    a, _ = dk.policy_loss(lp, old, adv, mask)
+    b, _ = dk.policy_loss(lp, old, adv, mask.long())
+    assert_no_nan(a)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case,exc,kw", [
+    ("shape-mismatch", ValueError, dict(old_log_prob=torch.zeros(2, 4))),
+    ("float-mask", ValueError, dict(response_mask=torch.ones(2, 3))),
+    ("int-log-prob", ValueError, dict(log_prob=torch.zeros(2, 3, dtype=torch.long))),
+    ("not-a-tensor", TypeError, dict(advantages=[0.0, 1.0])),
+    ("bad-mode", ValueError, dict(loss_agg_mode="seq-mean")),
+    ("clip-c-le-1", ValueError, dict(clip_ratio_c=1.0)),
+    ("clip-low-ge-1", ValueError, dict(clip_ratio_low=1.0)),
+    ("cu-seqlens-with-2d", ValueError, dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32))),
+    ("negative-num-tokens", ValueError, dict(num_tokens=-1)),
+])
+def test_bad_input(case, exc, kw):
+    args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.zeros(2, 3),
+                response_mask=torch.ones(2, 3, dtype=torch.bool))
+    pos = {k: kw.pop(k) for k in list(kw) if k in args}
+    args.update(pos)
+    with pytest.raises(exc, match=next(iter(pos), None) or next(iter(kw))):
+        dk.policy_loss(*args.values(), **kw)
+
+
+def test_packed_seq_mode_needs_cu_seqlens():
+    z = torch.zeros(5)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        dk.policy_loss(z, z, z, torch.ones(5, dtype=torch.bool), loss_agg_mode="seq-mean-token-sum")

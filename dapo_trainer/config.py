@@ -1,0 +1,408 @@
+"""Trainer configuration: dataclasses with verl's key names, YAML files and dotted overrides.
+
+``load_config("dapo_7b.yaml", ["data.train_batch_size=64", "trainer.seed=3"])`` reads the
+file, applies the overrides (each value parsed as YAML, so ``true``, ``1e-6`` and
+``[a, b]`` mean what they say) and checks every key and type:
+
+* an unknown key is a ``ValueError`` naming the closest valid key;
+* a value of the wrong type is a ``TypeError`` naming the key;
+* inconsistent values (a batch size that does not divide, an unknown mode) are a
+  ``ValueError`` naming the key.
+
+Keys follow verl (``actor_rollout_ref.actor.clip_ratio_high``, ...), so a verl DAPO
+command line ports by copying its ``key=value`` arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+import yaml
+
+from .rollout.base import RolloutConfig
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+@dataclass
+class DataConfig:
+    """What to train on and how long prompts / responses may be (``data.*``)."""
+
+    train_files: List[str] = field(default_factory=list)
+    val_files: List[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    # "{prompt}" is replaced by the row's prompt text; the default leaves it unchanged.
+    prompt_template: str = "{prompt}"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    # Prompts per train batch (after filtering) and per generation batch.
+    train_batch_size: int = 8
+    gen_batch_size: Optional[int] = None  # None: train_batch_size
+    # "error" | "left" | "right": what to do with a prompt over max_prompt_length.
+    truncation: str = "error"
+    shuffle: bool = True
+    # None: every validation row.
+    val_max_samples: Optional[int] = None
+    val_batch_size: int = 64
+
+
+@dataclass
+class ModelSection:
+    path: str = ""
+    enable_gradient_checkpointing: bool = False
+    # Parameter dtype for training: "float32" | "bfloat16" | "float16".
+    dtype: str = "float32"
+
+
+@dataclass
+class ValKwargs:
+    """Sampling for validation; temperature 0 is greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+
+
+@dataclass
+class RolloutSection:
+    """``actor_rollout_ref.rollout.*``: the sampler (see :class:`dapo_trainer.rollout.base.RolloutConfig`)."""
+
+    name: str = "embedded"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = True
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+    def engine_config(self) -> RolloutConfig:
+        """The :class:`RolloutConfig` ``make_rollout`` takes."""
+        return RolloutConfig(name=self.name, max_model_len=self.max_model_len,
+                             tensor_model_parallel_size=self.tensor_model_parallel_size,
+                             gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    # Linear warmup from 0 over lr_warmup_steps (< 0: lr_warmup_steps_ratio of the run).
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+
+
+@dataclass
+class ActorConfig:
+    """``actor_rollout_ref.actor.*``: the policy update."""
+
+    strategy: str = "ddp"  # "ddp" (gradient all-reduce) | "fsdp2"
+    # Megatron-style tensor parallel size of the training model; DP = world / TP.
+    tensor_model_parallel_size: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    use_dynamic_bsz: bool = True
+    ppo_max_token_len_per_gpu: int = 16384
+    # Without dynamic bsz: sequences per micro-batch.
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_mini_batch_size: int = 8  # prompts per optimiser step
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose metric has zero variance."""
+
+    enable: bool = True
+    # "acc" | "score" | "seq_reward" | "seq_final_reward" | {component: weight, ...}
+    metric: Union[str, Dict[str, float]] = "acc"
+    max_num_gen_batches: int = 10  # <= 0: unlimited
+    # Surplus kept groups go to the next step (verl drops them).
+    carry_over: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 128
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardModelConfig:
+    reward_manager: str = "dapo"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: int = 10
+    save_freq: int = -1  # <= 0: only at the end
+    test_freq: int = -1  # <= 0: only before and after training
+    val_before_train: bool = True
+    default_local_dir: str = "runs/dapo"
+    resume_mode: str = "auto"
+    resume_from_path: Optional[str] = None
+    seed: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "npu"
+    logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    progress_bar: bool = True
+    project_name: str = "dapo"
+    experiment_name: str = "run"
+
+
+@dataclass
+class Config:
+    """The whole trainer configuration (verl's layout)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def gen_batch_size(self) -> int:
+        return self.data.gen_batch_size or self.data.train_batch_size
+
+
+# --------------------------------------------------------------------------- loading
+def _hints(cls) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def all_keys(cls=Config, prefix: str = "") -> List[str]:
+    """Every dotted key of the config, leaves and sections."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        keys.append(key)
+        t = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += all_keys(t, key + ".")
+    return keys
+
+
+def _unknown_key(key: str) -> ValueError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.0)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(key: str, value, tp):
+    """``value`` checked (and mildly converted: int -> float, str -> [str]) against ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except TypeError as e:
+                errors.append(str(e))
+        names = " or ".join(_type_name(a) for a in args)
+        raise TypeError(f"config key {key!r} must be {names}, got {type(value).__name__} {value!r}")
+    if origin in (list, List):
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str) and item is str:
+            return [value]  # a single file where a list is expected
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"config key {key!r} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        kt, vt = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise TypeError(f"config key {key!r} must be a mapping, got {type(value).__name__} {value!r}")
+        return {_coerce(key, k, kt): _coerce(f"{key}.{k}", v, vt) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-6" (no dot) as a string.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"config key {key!r} must be a float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp in (int, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise TypeError(f"config key {key!r} must be {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"config key {key!r}: unsupported type {tp}")  # pragma: no cover - a bug in this file
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", str(t).replace("typing.", ""))
+
+
+def _set(obj, path: List[str], value, full_key: str) -> None:
+    """Assign ``value`` at ``path`` under the dataclass ``obj``; a mapping merges into a section."""
+    name = path[0]
+    if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+        raise _unknown_key(full_key)
+    tp = _hints(type(obj))[name]
+    if len(path) > 1:
+        if not dataclasses.is_dataclass(tp):
+            raise _unknown_key(full_key)
+        _set(getattr(obj, name), path[1:], value, full_key)
+    elif dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError(f"config key {full_key!r} is a section; give a mapping, got {type(value).__name__}")
+        for k, v in value.items():
+            _set(getattr(obj, name), [str(k)], v, f"{full_key}.{k}")
+    else:
+        setattr(obj, name, _coerce(full_key, value, tp))
+
+
+def apply_dict(cfg: Config, tree: dict, prefix: str = "") -> Config:
+    """Merge a nested mapping (a parsed YAML file) into ``cfg``; returns it."""
+    if not isinstance(tree, dict):
+        raise TypeError(f"config file must hold a mapping at the top level, got {type(tree).__name__}")
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        _set(cfg, key.split("."), v, key)
+    return cfg
+
+
+def apply_override(cfg: Config, override: str) -> Config:
+    """Apply one ``dotted.key=value`` (verl's ``+key=value`` is accepted for known keys)."""
+    if not isinstance(override, str) or "=" not in override:
+        raise ValueError(f"override {override!r} must look like key=value")
+    key, raw = override.split("=", 1)
+    key = key.strip().lstrip("+")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    _set(cfg, key.split("."), value, key)
+    return cfg
+
+
+def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
+    """Defaults <- YAML file <- ``overrides`` (``["key=value", ...]``), then :func:`validate`."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, got a single str")
+    cfg = Config()
+    if yaml_path is not None:
+        with open(yaml_path) as f:
+            tree = yaml.safe_load(f) or {}
+        apply_dict(cfg, tree)
+    for o in overrides:
+        apply_override(cfg, o)
+    return validate(cfg)
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"config key {key!r}: {msg}")
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks; ValueError naming the key."""
+    d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    for key, v in (("data.train_batch_size", d.train_batch_size), ("data.max_prompt_length", d.max_prompt_length),
+                   ("data.max_response_length", d.max_response_length), ("actor_rollout_ref.rollout.n", r.n),
+                   ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                   ("actor_rollout_ref.actor.ppo_epochs", a.ppo_epochs),
+                   ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
+                   ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
+                   ("actor_rollout_ref.actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
+                   ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps)):
+        _require(v >= 1, key, f"must be >= 1, got {v}")
+    _require(d.gen_batch_size is None or d.gen_batch_size >= 1, "data.gen_batch_size",
+             f"must be >= 1, got {d.gen_batch_size}")
+    _require(d.train_batch_size % a.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
+             f"must divide data.train_batch_size ({d.train_batch_size}), got {a.ppo_mini_batch_size}")
+    _require(d.truncation in ("error", "left", "right"), "data.truncation",
+             f"must be 'error', 'left' or 'right', got {d.truncation!r}")
+    _require("{prompt}" in d.prompt_template, "data.prompt_template", "must contain '{prompt}'")
+    _require(a.loss_agg_mode in LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode",
+             f"must be one of {LOSS_AGG_MODES}, got {a.loss_agg_mode!r}")
+    _require(a.kl_loss_type in KL_TYPES, "actor_rollout_ref.actor.kl_loss_type",
+             f"must be one of {KL_TYPES}, got {a.kl_loss_type!r}")
+    _require(a.strategy in ("ddp", "fsdp2"), "actor_rollout_ref.actor.strategy",
+             f"must be 'ddp' or 'fsdp2', got {a.strategy!r}")
+    _require(0 <= a.clip_ratio_low < 1, "actor_rollout_ref.actor.clip_ratio_low", f"must be in [0, 1), got {a.clip_ratio_low}")
+    _require(a.clip_ratio_high >= 0, "actor_rollout_ref.actor.clip_ratio_high", f"must be >= 0, got {a.clip_ratio_high}")
+    _require(a.clip_ratio_c > 1, "actor_rollout_ref.actor.clip_ratio_c", f"must be > 1, got {a.clip_ratio_c}")
+    _require(a.grad_clip > 0, "actor_rollout_ref.actor.grad_clip", f"must be > 0, got {a.grad_clip}")
+    _require(len(a.optim.betas) == 2, "actor_rollout_ref.actor.optim.betas", f"must hold 2 floats, got {a.optim.betas}")
+    _require(cfg.actor_rollout_ref.model.dtype in ("float32", "bfloat16", "float16"), "actor_rollout_ref.model.dtype",
+             f"must be float32, bfloat16 or float16, got {cfg.actor_rollout_ref.model.dtype!r}")
+    _require(r.temperature > 0, "actor_rollout_ref.rollout.temperature", f"must be > 0 for training, got {r.temperature}")
+    _require(0 < r.top_p <= 1, "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _require(r.name in ("embedded", "vllm"), "actor_rollout_ref.rollout.name",
+             f"must be 'embedded' or 'vllm', got {r.name!r}")
+    m = cfg.algorithm.filter_groups.metric
+    if isinstance(m, str):
+        _require(m in FILTER_METRICS, "algorithm.filter_groups.metric",
+                 f"must be one of {FILTER_METRICS} or a mapping {{component: weight}}, got {m!r}")
+    else:
+        _require(len(m) > 0, "algorithm.filter_groups.metric", "an empty mapping weights nothing")
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable:
+        _require(0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",
+                 f"must be in [1, data.max_response_length={d.max_response_length}], got {ob.len}")
+        _require(ob.penalty_factor >= 0, "reward_model.overlong_buffer.penalty_factor",
+                 f"must be >= 0, got {ob.penalty_factor}")
+    t = cfg.trainer
+    _require(t.resume_mode in RESUME_MODES, "trainer.resume_mode", f"must be one of {RESUME_MODES}, got {t.resume_mode!r}")
+    _require(t.resume_mode != "resume_path" or bool(t.resume_from_path), "trainer.resume_from_path",
+             "must be set when trainer.resume_mode=resume_path")
+    _require(t.device in ("auto", "cpu", "cuda", "npu"), "trainer.device",
+             f"must be auto, cpu, cuda or npu, got {t.device!r}")
+    _require(cfg.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator",
+             f"only 'grpo' is implemented, got {cfg.algorithm.adv_estimator!r}")
+    return cfg
+
+
+def dump_config(cfg: Config, path: str) -> None:
+    """Write ``cfg`` as YAML (loadable by :func:`load_config`)."""
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

@@ -1,0 +1,240 @@
+"""Prompts, answers and tokens: local jsonl / parquet rows, a tokenizer, a resumable cursor.
+
+Rows are plain dicts ``{"prompt": str, "ground_truth": str, "data_source": str}``, read
+from GSM8K / DAPO-Math style files: a ``prompt`` column (text, or a chat-style list of
+``{"role", "content"}`` messages) and the answer in ``answer`` or verl's
+``reward_model.ground_truth``. The tokenizer is the model directory's ``tokenizer.json``
+through the ``tokenizers`` library (no ``transformers`` needed).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+DEFAULT_DATA_SOURCE = "unknown"
+
+
+# --------------------------------------------------------------------------- rows
+def _read_records(path: str) -> List[dict]:
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist")
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path) as f:
+            if path.endswith(".json"):
+                data = json.load(f)
+                if not isinstance(data, list):
+                    raise ValueError(f"{path}: a .json data file must hold a list of rows")
+                return data
+            out = []
+            for i, line in enumerate(f):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i + 1}: not valid JSON ({e})") from None
+            return out
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"data file {path!r}: expected a .jsonl, .json or .parquet file")
+
+
+def _prompt_text(prompt, where: str) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        # Chat-style rows: without a chat-template engine the turns are joined as text.
+        return "\n".join(str(m["content"]) for m in prompt)
+    raise ValueError(f"{where}: prompt must be a str or a list of {{'role', 'content'}} messages, "
+                     f"got {type(prompt).__name__}")
+
+
+def _ground_truth(rec: dict, where: str) -> str:
+    rm = rec.get("reward_model")
+    if isinstance(rm, dict) and rm.get("ground_truth") is not None:
+        gt = rm["ground_truth"]
+    elif rec.get("reward_model.ground_truth") is not None:
+        gt = rec["reward_model.ground_truth"]
+    elif rec.get("answer") is not None:
+        gt = rec["answer"]
+    elif rec.get("ground_truth") is not None:
+        gt = rec["ground_truth"]
+    else:
+        raise ValueError(f"{where}: no answer; expected an 'answer' or 'reward_model.ground_truth' column "
+                         f"(columns: {sorted(rec)})")
+    gt = str(gt)
+    # GSM8K's answer column is a worked solution ending in "#### 42": keep the final answer.
+    if "####" in gt:
+        gt = gt.rsplit("####", 1)[1].strip()
+    return gt
+
+
+def load_rows(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> List[Dict[str, str]]:
+    """Rows ``{"prompt", "ground_truth", "data_source"}`` from local jsonl / parquet files.
+
+    Raises ValueError naming the file (and line) on a missing file, column or bad row.
+    """
+    if isinstance(files, str):
+        files = [files]
+    if not isinstance(files, (list, tuple)) or not files:
+        raise ValueError(f"files must name at least one .jsonl / .parquet file, got {files!r}")
+    rows = []
+    for path in files:
+        for i, rec in enumerate(_read_records(path)):
+            where = f"{path} row {i}"
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
+            if prompt_key not in rec:
+                raise ValueError(f"{where}: no {prompt_key!r} column (data.prompt_key); columns: {sorted(rec)}")
+            rows.append({
+                "prompt": _prompt_text(rec[prompt_key], where),
+                "ground_truth": _ground_truth(rec, where),
+                "data_source": str(rec.get("data_source") or DEFAULT_DATA_SOURCE),
+            })
+    if not rows:
+        raise ValueError(f"no rows in {list(files)}")
+    return rows
+
+
+def apply_template(prompt: str, template: str = "{prompt}") -> str:
+    """``template`` with its ``{prompt}`` slot filled (other braces are left alone)."""
+    if "{prompt}" not in template:
+        raise ValueError(f"prompt_template must contain '{{prompt}}', got {template!r}")
+    return template.replace("{prompt}", prompt)
+
+
+# --------------------------------------------------------------------------- tokenizer
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+class Tokenizer:
+    """``tokenizers.Tokenizer`` plus the special token ids a trainer needs.
+
+    Attributes: ``eos_token_id`` (int), ``eos_token_ids`` (tuple: every stop token),
+    ``pad_token_id`` (int; falls back to eos), ``bos_token_id`` (int or None),
+    ``vocab_size``.
+    """
+
+    def __init__(self, tok, eos_token_ids: Sequence[int], pad_token_id: Optional[int], bos_token_id: Optional[int]):
+        self.tok = tok
+        if not eos_token_ids:
+            raise ValueError("tokenizer: no eos token found in tokenizer_config.json, generation_config.json "
+                             "or config.json")
+        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+        self.eos_token_id = self.eos_token_ids[0]
+        self.pad_token_id = self.eos_token_id if pad_token_id is None else int(pad_token_id)
+        self.bos_token_id = bos_token_id
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids, with the special tokens the tokenizer's post-processor adds (e.g. BOS)."""
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text with special tokens skipped."""
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _token_id(tok, value) -> Optional[int]:
+    """An id from a token string, ``{"content": str}`` (HF AddedToken) or an int."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("content")
+    if isinstance(value, int):
+        return value
+    return tok.token_to_id(value) if isinstance(value, str) else None
+
+
+def _ids(value) -> List[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    """The tokenizer of a HF model directory (``tokenizer.json``).
+
+    Special ids: ``tokenizer_config.json`` (token strings), else ``generation_config.json``,
+    else ``config.json``. Every eos id found in any of them is a stop token.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = os.path.join(model_path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"actor_rollout_ref.model.path: no tokenizer.json in {model_path!r}")
+    tok = HFTokenizer.from_file(path)
+    tc = _read_json(os.path.join(model_path, "tokenizer_config.json"))
+    gc = _read_json(os.path.join(model_path, "generation_config.json"))
+    mc = _read_json(os.path.join(model_path, "config.json"))
+    eos = []
+    for ids in ([_token_id(tok, tc.get("eos_token"))], _ids(gc.get("eos_token_id")), _ids(mc.get("eos_token_id"))):
+        eos += [i for i in ids if i is not None and i not in eos]
+    pad = _token_id(tok, tc.get("pad_token"))
+    if pad is None:
+        pad = gc.get("pad_token_id", mc.get("pad_token_id"))
+    bos = _token_id(tok, tc.get("bos_token"))
+    if bos is None:
+        bos = gc.get("bos_token_id", mc.get("bos_token_id"))
+    return Tokenizer(tok, eos, pad, bos)
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, max_len: int, truncation: str = "error") -> List[int]:
+    """Token ids of ``text`` within ``max_len`` (``truncation``: "error", "left" or "right")."""
+    ids = tokenizer.encode(text)
+    if len(ids) <= max_len:
+        return ids
+    if truncation == "left":
+        return ids[-max_len:]
+    if truncation == "right":
+        return ids[:max_len]
+    raise ValueError(f"a prompt has {len(ids)} tokens, over data.max_prompt_length={max_len} "
+                     f"(set data.truncation=left or right, or raise the limit): {text[:80]!r}")
+
+
+# --------------------------------------------------------------------------- cursor
+class BatchCursor:
+    """Deterministic stream of row indices, ``batch_size`` at a time, across epochs.
+
+    Epoch ``e`` visits the rows in the permutation drawn from ``seed + e`` (or in order
+    when ``shuffle`` is False); a batch that runs past an epoch's end continues into
+    the next. ``state_dict()`` / ``load_state_dict()`` resume the stream exactly.
+    """
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if n_rows < 1 or batch_size < 1:
+            raise ValueError(f"BatchCursor needs n_rows >= 1 and batch_size >= 1, got {n_rows}, {batch_size}")
+        self.n_rows, self.batch_size, self.seed, self.shuffle = n_rows, batch_size, seed, shuffle
+        self.epoch, self.pos = 0, 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n_rows)
+        return np.random.default_rng(self.seed + epoch).permutation(self.n_rows)
+
+    def next_batch(self) -> List[int]:
+        out = []
+        while len(out) < self.batch_size:
+            take = self._order(self.epoch)[self.pos:self.pos + self.batch_size - len(out)]
+            out += take.tolist()
+            self.pos += len(take)
+            if self.pos >= self.n_rows:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "n_rows": self.n_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_rows"] != self.n_rows:
+            raise ValueError(f"checkpoint's data cursor covers {state['n_rows']} rows, the data has {self.n_rows}; "
+                             "resume with the same data.train_files")
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])

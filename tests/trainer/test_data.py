@@ -1,0 +1,89 @@
+"""dapo_trainer.data: jsonl / parquet rows, the model directory's tokenizer, the resumable cursor."""
+import json
+
+import pytest
+
+from dapo_trainer.data import BatchCursor, apply_template, encode_prompt, load_rows, load_tokenizer
+from tests.trainer.tiny import write_char_tokenizer
+
+
+def _jsonl(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def test_jsonl_answer_and_gsm8k_final_answer(tmp_path):
+    f = _jsonl(tmp_path / "a.jsonl", [{"prompt": "1+1=", "answer": 2, "data_source": "arithmetic"},
+                                      {"prompt": "q", "answer": "3 apples + 4 = 7 apples\n#### 7"}])
+    rows = load_rows(f)
+    assert rows == [{"prompt": "1+1=", "ground_truth": "2", "data_source": "arithmetic"},
+                    {"prompt": "q", "ground_truth": "7", "data_source": "unknown"}]
+
+
+def test_parquet_verl_layout_with_chat_prompt(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="pyarrow is needed to read parquet")
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([
+        {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "Solve x"}],
+         "reward_model": {"ground_truth": "34", "style": "rule"}},
+    ])
+    pq.write_table(table, tmp_path / "d.parquet")
+    (row,) = load_rows([str(tmp_path / "d.parquet")])
+    assert row == {"prompt": "Solve x", "ground_truth": "34", "data_source": "math_dapo"}
+
+
+@pytest.mark.parametrize("recs,match", [
+    ([{"question": "x", "answer": "1"}], "no 'prompt' column"),
+    ([{"prompt": "x"}], "no answer"),
+    ([{"prompt": 3, "answer": "1"}], "prompt must be a str"),
+])
+def test_bad_rows_name_the_problem(tmp_path, recs, match):
+    with pytest.raises(ValueError, match=match):
+        load_rows(_jsonl(tmp_path / "b.jsonl", recs))
+
+
+def test_missing_or_unknown_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="expected a .jsonl"):
+        load_rows(str(tmp_path / "x.csv"))
+
+
+def test_template():
+    assert apply_template("2+2=", "Q: {prompt}\nA:") == "Q: 2+2=\nA:"
+    with pytest.raises(ValueError, match="prompt_template"):
+        apply_template("x", "no slot")
+
+
+def test_tokenizer_round_trip_and_special_ids(tmp_path):
+    write_char_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    ids = tok.encode("12+34=46\n")
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id]) == "12+34=46\n"
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    assert load_tokenizer(str(tmp_path)).eos_token_ids == (1, 5)
+    assert encode_prompt(tok, "123456", 4, "left") == tok.encode("3456")
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        encode_prompt(tok, "123456", 4, "error")
+
+
+def test_tokenizer_missing(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_cursor_deterministic_epochs_and_resume():
+    c = BatchCursor(10, 4, seed=3)
+    first = [c.next_batch() for _ in range(5)]
+    flat = sum(first, [])
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    c2 = BatchCursor(10, 4, seed=3)
+    c2.next_batch(), c2.next_batch()
+    c3 = BatchCursor(10, 4, seed=3)
+    c3.load_state_dict(c2.state_dict())
+    assert [c3.next_batch() for _ in range(3)] == first[2:]
+    with pytest.raises(ValueError, match="same data"):
+        BatchCursor(11, 4).load_state_dict(c2.state_dict())

@@ -40,6 +40,8 @@ from ._triton_utils import cdiv, next_pow2
 _BLOCK = 1024
 # Elements per program of the contiguous kernel's [groups, members] tile: fits registers.
 _TILE = 4096
+# A 4096-element float64 tile plus its int64 keys: 8 warps keep it in registers.
+_CONTIG_WARPS = 8
 # Widest group the contiguous kernel reduces in one tile; wider groups use the atomics path.
 _MAX_CONTIG_GROUP = 4096
 # Order-preserving int64 keys of float64 values: flipping the 63 low bits of negatives
@@ -249,7 +251,7 @@ def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, n
             _group_filter_contig_fwd_kernel[(cdiv(G, block_g),)](
                 scores, _u8(keep), adv, gmean, gstd, _u8(gkeep), gsize, flags,
                 G, group_size, float(epsilon), float(min_std),
-                NORM=bool(norm_adv_by_std), BLOCK_G=block_g, BLOCK_M=block_m,
+                NORM=bool(norm_adv_by_std), BLOCK_G=block_g, BLOCK_M=block_m, num_warps=_CONTIG_WARPS,
             )
         return _finish(outs, flags)
     if group_size > 0:

@@ -89,10 +89,8 @@ def _advantage(b_x, b_mean, b_std, b_zero, eps, NORM: tl.constexpr):
 
 
 @triton.jit
-def _group_filter_stats_kernel(
-    p_scores, p_gidx, p_cnt, p_ninv, p_sum, p_kmin, p_kmax, p_flags, N, G, BLOCK: tl.constexpr,
-):
-    """Pass 1: per-group member count, non-finite count, sum, min and max keys."""
+def _load_rows(p_scores, p_gidx, N, G, BLOCK: tl.constexpr):
+    """This program's rows: offsets, row mask, float64 scores, group ids, in-range and finite masks."""
     i_b = tl.program_id(0)
     o_n = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_n = o_n < N
@@ -100,6 +98,29 @@ def _group_filter_stats_kernel(
     b_g = tl.load(p_gidx + o_n, mask=m_n, other=0).to(tl.int64)
     m_g = m_n & (b_g >= 0) & (b_g < G)
     m_fin = tl.abs(b_x) <= 1.7976931348623157e308  # false for NaN and inf
+    return o_n, m_n, b_x, b_g, m_g, m_fin
+
+
+@triton.jit
+def _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, o_g, m_g, min_std):
+    """Gather the pass-1/2 sums of groups ``o_g`` and derive (keep, mean, std, zero-advantage, size)."""
+    b_n = tl.load(p_cnt + o_g, mask=m_g, other=0)
+    b_ninv = tl.load(p_ninv + o_g, mask=m_g, other=0)
+    b_uni = tl.load(p_kmin + o_g, mask=m_g, other=0) == tl.load(p_kmax + o_g, mask=m_g, other=0)
+    b_keep, b_mean, b_std = _group_stats(
+        b_n, b_ninv, tl.load(p_sum + o_g, mask=m_g, other=0), tl.load(p_m2 + o_g, mask=m_g, other=0),
+        b_uni, min_std,
+    )
+    b_zero = (b_ninv > 0) | (b_uni & (b_n > 1)) | ~m_g
+    return b_keep & m_g, b_mean, b_std, b_zero, b_n
+
+
+@triton.jit
+def _group_filter_stats_kernel(
+    p_scores, p_gidx, p_cnt, p_ninv, p_sum, p_kmin, p_kmax, p_flags, N, G, BLOCK: tl.constexpr,
+):
+    """Pass 1: per-group member count, non-finite count, sum, min and max keys."""
+    o_n, m_n, b_x, b_g, m_g, m_fin = _load_rows(p_scores, p_gidx, N, G, BLOCK)
     m_v = m_g & m_fin
     tl.atomic_add(p_cnt + b_g, 1, mask=m_g)
     tl.atomic_add(p_ninv + b_g, 1, mask=m_g & ~m_fin)
@@ -108,18 +129,14 @@ def _group_filter_stats_kernel(
     tl.atomic_min(p_kmin + b_g, b_k, mask=m_v)
     tl.atomic_max(p_kmax + b_g, b_k, mask=m_v)
     tl.atomic_add(p_flags + 1, tl.sum((m_n & ~m_fin).to(tl.int64), 0))
-    tl.atomic_add(p_flags + 2, tl.sum((m_n & ~((b_g >= 0) & (b_g < G))).to(tl.int64), 0))
+    tl.atomic_add(p_flags + 2, tl.sum((m_n & ~m_g).to(tl.int64), 0))
 
 
 @triton.jit
 def _group_filter_m2_kernel(p_scores, p_gidx, p_cnt, p_ninv, p_sum, p_m2, N, G, BLOCK: tl.constexpr):
     """Pass 2: per-group sum of squared deviations from the mean (two-pass variance)."""
-    i_b = tl.program_id(0)
-    o_n = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m_n = o_n < N
-    b_x = tl.load(p_scores + o_n, mask=m_n, other=0).to(tl.float64)
-    b_g = tl.load(p_gidx + o_n, mask=m_n, other=0).to(tl.int64)
-    m_v = m_n & (b_g >= 0) & (b_g < G) & (tl.abs(b_x) <= 1.7976931348623157e308)
+    o_n, m_n, b_x, b_g, m_g, m_fin = _load_rows(p_scores, p_gidx, N, G, BLOCK)
+    m_v = m_g & m_fin
     b_nv = tl.load(p_cnt + b_g, mask=m_v, other=1) - tl.load(p_ninv + b_g, mask=m_v, other=0)
     b_mean = tl.load(p_sum + b_g, mask=m_v, other=0) / tl.maximum(b_nv, 1).to(tl.float64)
     b_d = b_x - b_mean
@@ -132,34 +149,13 @@ def _group_filter_fwd_kernel(
     p_keep, p_adv, p_gmean, p_gstd, p_gkeep, p_gsize, p_flags,
     N, G, eps, min_std, NORM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Pass 3: per-element keep/advantage for o < N and per-group outputs for o < G."""
-    i_b = tl.program_id(0)
-    o = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    # per element
-    m_n = o < N
-    b_x = tl.load(p_scores + o, mask=m_n, other=0).to(tl.float64)
-    b_g = tl.load(p_gidx + o, mask=m_n, other=0).to(tl.int64)
-    m_g = m_n & (b_g >= 0) & (b_g < G)
-    b_n = tl.load(p_cnt + b_g, mask=m_g, other=0)
-    b_ninv = tl.load(p_ninv + b_g, mask=m_g, other=1)
-    b_uni = tl.load(p_kmin + b_g, mask=m_g, other=0) == tl.load(p_kmax + b_g, mask=m_g, other=0)
-    b_keep, b_mean, b_std = _group_stats(
-        b_n, b_ninv, tl.load(p_sum + b_g, mask=m_g, other=0), tl.load(p_m2 + b_g, mask=m_g, other=0),
-        b_uni, min_std,
-    )
-    b_zero = (b_ninv > 0) | (b_uni & (b_n > 1)) | ~m_g
-    b_adv = _advantage(b_x, b_mean, b_std, b_zero, eps, NORM)
-    tl.store(p_keep + o, (b_keep & m_g).to(tl.uint8), mask=m_n)
-    tl.store(p_adv + o, b_adv.to(tl.float32), mask=m_n)
-    # per group
+    """Pass 3: per-element keep/advantage for rows o < N and per-group outputs for groups o < G."""
+    o, m_n, b_x, b_g, m_g, m_fin = _load_rows(p_scores, p_gidx, N, G, BLOCK)
+    b_keep, b_mean, b_std, b_zero, b_n = _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, b_g, m_g, min_std)
+    tl.store(p_keep + o, b_keep.to(tl.uint8), mask=m_n)
+    tl.store(p_adv + o, _advantage(b_x, b_mean, b_std, b_zero, eps, NORM).to(tl.float32), mask=m_n)
     m_gg = o < G
-    b_n = tl.load(p_cnt + o, mask=m_gg, other=0)
-    b_ninv = tl.load(p_ninv + o, mask=m_gg, other=0)
-    b_uni = tl.load(p_kmin + o, mask=m_gg, other=0) == tl.load(p_kmax + o, mask=m_gg, other=0)
-    b_keep, b_mean, b_std = _group_stats(
-        b_n, b_ninv, tl.load(p_sum + o, mask=m_gg, other=0), tl.load(p_m2 + o, mask=m_gg, other=0),
-        b_uni, min_std,
-    )
+    b_keep, b_mean, b_std, b_zero, b_n = _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, o, m_gg, min_std)
     _store_group_outputs(p_gmean, p_gstd, p_gkeep, p_gsize, p_flags, o, m_gg, b_keep, b_mean, b_std, b_n)
 
 

@@ -5,6 +5,7 @@
 #include "balancing.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <queue>
 #include <set>
@@ -92,18 +93,21 @@ class KarmarkarKarp {
       groups.reserve(per_state);
       for (int64_t j = s; j < s + per_state; ++j) groups.push_back({values_[order[j]], order[j], order[j]});
       std::sort(groups.begin(), groups.end(), group_before);
-      push(std::move(groups));
+      fresh_.push_back(add_state(std::move(groups)));
     }
-    while (heap_.size() > 1) {
-      const int64_t a = heap_.top().id;
-      heap_.pop();
-      const int64_t b = heap_.top().id;
-      heap_.pop();
-      push(merge(states_[a], states_[b]));
-      std::vector<KKGroup>().swap(states_[a]);
+    // Initial states never change, so they wait in a sorted list (best last) and only
+    // merged states go through the heap; popping the better of the two fronts yields
+    // the same sequence as one heap over everything, with a much smaller heap.
+    std::sort(fresh_.begin(), fresh_.end(), HeapLess());
+    for (int64_t left = fresh_.size(); left > 1; --left) {
+      const int64_t a = pop(), b = pop();
+      merge(states_[a], states_[b]);
+      // a's storage is dead now: recycle it for the merged state instead of allocating.
+      states_[a].assign(merged_.begin(), merged_.end());
+      heap_.push(add_state(std::move(states_[a])));
       std::vector<KKGroup>().swap(states_[b]);
     }
-    return collect(states_[heap_.top().id]);
+    return collect(states_[pop()]);
   }
 
  private:
@@ -112,10 +116,21 @@ class KarmarkarKarp {
     return g.front().sum - low;
   }
 
-  void push(std::vector<KKGroup> groups) {
-    const int64_t id = static_cast<int64_t>(states_.size());
-    heap_.push({spread(groups), groups.front().sum, id});
+  HeapKey add_state(std::vector<KKGroup> groups) {
+    const HeapKey key{spread(groups), groups.front().sum, static_cast<int64_t>(states_.size())};
     states_.push_back(std::move(groups));
+    return key;
+  }
+
+  int64_t pop() {
+    if (heap_.empty() || (!fresh_.empty() && HeapLess()(heap_.top(), fresh_.back()))) {
+      const int64_t id = fresh_.back().id;
+      fresh_.pop_back();
+      return id;
+    }
+    const int64_t id = heap_.top().id;
+    heap_.pop();
+    return id;
   }
 
   KKGroup join(const KKGroup& x, const KKGroup& y) {
@@ -123,22 +138,21 @@ class KarmarkarKarp {
     return {x.sum + y.sum, x.head, y.tail};
   }
 
-  // Group i of the result joins a's i-th largest with b's i-th smallest (empty groups
-  // included). The result is three runs, each sorted: a alone, both, b alone.
-  std::vector<KKGroup> merge(const std::vector<KKGroup>& a, const std::vector<KKGroup>& b) {
+  // Group i of the result (into merged_) joins a's i-th largest with b's i-th smallest
+  // (empty groups included). That is three sorted runs: a alone, both, b alone.
+  void merge(const std::vector<KKGroup>& a, const std::vector<KKGroup>& b) {
     const int64_t na = a.size(), nb = b.size();
     const int64_t b_from = std::max<int64_t>(k_ - nb, 0);  // first i where b has a group
     const int64_t a_only = std::min(na, b_from);
-    std::vector<KKGroup> out;
-    out.reserve(std::min(k_, na + nb));
-    for (int64_t i = 0; i < a_only; ++i) out.push_back(a[i]);
-    for (int64_t i = b_from; i < na; ++i) out.push_back(join(a[i], b[k_ - 1 - i]));
-    const auto both_end = out.size();
-    for (int64_t j = 0; j < k_ - std::max(na, b_from); ++j) out.push_back(b[j]);
-    std::sort(out.begin() + a_only, out.begin() + both_end, group_before);
-    std::inplace_merge(out.begin(), out.begin() + a_only, out.begin() + both_end, group_before);
-    std::inplace_merge(out.begin(), out.begin() + both_end, out.end(), group_before);
-    return out;
+    both_.clear();
+    for (int64_t i = b_from; i < na; ++i) both_.push_back(join(a[i], b[k_ - 1 - i]));
+    std::sort(both_.begin(), both_.end(), group_before);
+    scratch_.clear();
+    std::merge(a.begin(), a.begin() + a_only, both_.begin(), both_.end(), std::back_inserter(scratch_), group_before);
+    const int64_t b_only = k_ - std::max(na, b_from);
+    merged_.clear();
+    std::merge(scratch_.begin(), scratch_.end(), b.begin(), b.begin() + b_only, std::back_inserter(merged_),
+               group_before);
   }
 
   Groups collect(const std::vector<KKGroup>& groups) const {
@@ -156,6 +170,8 @@ class KarmarkarKarp {
   int64_t n_, k_;
   std::vector<int32_t> next_;
   std::vector<std::vector<KKGroup>> states_;
+  std::vector<KKGroup> both_, scratch_, merged_;  // reused by merge(), no allocation per step
+  std::vector<HeapKey> fresh_;                    // initial states, best last
   std::priority_queue<HeapKey, std::vector<HeapKey>, HeapLess> heap_;
 };
 

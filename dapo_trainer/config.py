@@ -22,10 +22,11 @@ from typing import Any, Dict, List, Optional, Union
 
 import yaml
 
+from dapo_kernels.ops.linear_log_probs import KL_TYPES
+from dapo_kernels.ops.policy_loss import LOSS_AGG_MODES
+
 from .rollout.base import RolloutConfig
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -118,7 +119,6 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_mini_batch_size: int = 8  # prompts per optimiser step
     ppo_epochs: int = 1
-    shuffle: bool = False
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

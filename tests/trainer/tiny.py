@@ -29,7 +29,7 @@ def write_char_tokenizer(path: str) -> int:
     return len(vocab)
 
 
-def write_tiny_model(path: str, *, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+def write_tiny_model(path: str, *, hidden: int = 32, layers: int = 1, heads: int = 2, kv_heads: int = 2,
                      seed: int = 0) -> str:
     """A random tiny Llama (vocab padded to a multiple of 4 so TP=2 divides it) + the char tokenizer."""
     v = write_char_tokenizer(path)
@@ -52,3 +52,35 @@ def write_arithmetic_rows(path: str, n: int, seed: int = 0) -> str:
             a, b = torch.randint(0, 10, (2,), generator=g).tolist()
             f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b), "data_source": "arithmetic"}) + "\n")
     return path
+
+
+# A reward whose value varies within groups (so dynamic sampling keeps some and drops
+# others) and that is cheap: parity of the response's digit sum.
+PARITY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    s = sum(int(c) for c in solution_str if c.isdigit())
+    return {"score": float(s % 2), "acc": float(s % 2)}
+"""
+ZERO_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0
+"""
+
+
+def micro_setup(root: str, reward_src: str = PARITY_REWARD, *, n_train: int = 24, n_val: int = 4) -> list:
+    """Model, data and reward under ``root``; returns the config overrides of a micro run."""
+    write_tiny_model(os.path.join(root, "model"))
+    write_arithmetic_rows(os.path.join(root, "train.jsonl"), n_train, seed=0)
+    write_arithmetic_rows(os.path.join(root, "val.jsonl"), n_val, seed=1)
+    with open(os.path.join(root, "reward.py"), "w") as f:
+        f.write(reward_src)
+    return [
+        f"actor_rollout_ref.model.path={root}/model", f"data.train_files={root}/train.jsonl",
+        f"data.val_files={root}/val.jsonl", f"custom_reward_function.path={root}/reward.py",
+        f"trainer.default_local_dir={root}/run", "trainer.device=cpu", "trainer.progress_bar=false",
+        "data.train_batch_size=2", "data.gen_batch_size=3", "data.max_prompt_length=6",
+        "data.max_response_length=5", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2",
+    ]

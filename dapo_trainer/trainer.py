@@ -1,0 +1,552 @@
+"""The DAPO training loop on dapo_kernels' ops.
+
+One step (``DAPOTrainer.train_step``):
+
+1. generate ``rollout.n`` responses for ``data.gen_batch_size`` prompts (rollout engine);
+2. reward the decoded responses, add the overlong penalty, compute the filter metric;
+3. ``dk.group_filter`` (keep groups whose metric varies; GRPO advantages of the final
+   reward) and ``dk.DynamicBatchAccumulator`` until ``data.train_batch_size`` groups are
+   kept (``DynamicSamplingExhausted`` after ``max_num_gen_batches``);
+4. old log-probs (skipped on-policy: one mini-batch, one epoch) and reference log-probs;
+5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
+   token-capped micro-batches (``dk.micro_batches``) packed through the model,
+   ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
+   gradient all-reduce, clipping, AdamW with warmup;
+6. push the weights to the rollout engine; log.
+
+Parallelism: every rank runs the same rollout (same seed, same prompts), so every rank
+holds the whole train batch and all ranks agree on it without communication; the update
+is split over data-parallel ranks and, inside a DP rank, tensor parallel over
+``actor.tensor_model_parallel_size`` ranks.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import dapo_kernels as dk
+
+from . import checkpoint as ckpt
+from . import data as data_mod
+from . import rewards
+from .config import Config
+from .hf_io import load_hf_model
+from .metrics import MetricsLogger
+from .parallel import apply_fsdp, balanced_dp_split, full_state_dict, make_mesh, parallelize, tp_shard_dims
+from .rollout import make_rollout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Metrics of the update that are per-token fractions, averaged over response tokens.
+_TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if hasattr(torch, "npu") and torch.npu.is_available():
+        return torch.device("npu")
+    return torch.device("cpu")
+
+
+class DAPOTrainer:
+    """DAPO / GRPO trainer. ``DAPOTrainer(cfg).fit()`` trains and returns the final metrics.
+
+    Under ``torch.distributed`` (``torchrun``), the process group must be initialised
+    before construction (:func:`dapo_trainer.train.main` does it).
+    """
+
+    def __init__(self, cfg: Config):
+        if not isinstance(cfg, Config):
+            raise TypeError(f"cfg must be a dapo_trainer.config.Config, got {type(cfg).__name__}")
+        self.cfg = cfg
+        arr, t = cfg.actor_rollout_ref, cfg.trainer
+        self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
+        if not arr.model.path:
+            raise ValueError("actor_rollout_ref.model.path must name a HF model directory")
+        self.device = resolve_device(t.device)
+        self.run_dir = t.default_local_dir
+        self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
+        self._setup_parallel()
+
+        self.tokenizer = data_mod.load_tokenizer(arr.model.path)
+        d = cfg.data
+        if not d.train_files:
+            raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
+        self.train_rows = data_mod.load_rows(d.train_files, d.prompt_key)
+        self.val_rows = data_mod.load_rows(d.val_files, d.prompt_key) if d.val_files else []
+        if d.val_max_samples is not None:
+            self.val_rows = self.val_rows[:d.val_max_samples]
+        self._prompt_cache: Dict[int, List[int]] = {}
+        self.cursor = data_mod.BatchCursor(len(self.train_rows), cfg.gen_batch_size, seed=t.seed, shuffle=d.shuffle)
+        self.reward_fn = (rewards.load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+                          if cfg.custom_reward_function.path else rewards.default_compute_score)
+
+        self.resume_dir = self._find_resume_dir()
+        model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
+        self.model = self._build_model(model_dir)
+        self.ref_model = None
+        if self.actor_cfg.use_kl_loss:
+            self.ref_model = self._build_model(arr.model.path, trainable=False)
+        # The sampler needs the whole, unsharded model: under TP / FSDP it samples from a
+        # replica that is refreshed after every update.
+        self.sharded = self.tp > 1 or self.actor_cfg.strategy == "fsdp2"
+        self.rollout_model = load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if self.sharded else self.model
+        self.engine = make_rollout(self.rollout_cfg.engine_config(), self.rollout_model)
+
+        o = self.actor_cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        warmup = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * t.total_training_steps)
+        # (s + 1) / warmup: the first update already moves the weights (verl's s / warmup
+        # spends step 0 at lr 0).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+        fg = cfg.algorithm.filter_groups
+        self.accumulator = dk.DynamicBatchAccumulator(
+            d.train_batch_size, self.rollout_cfg.n, fg.max_num_gen_batches if fg.enable else 0,
+            carry_over=fg.carry_over)
+        self.global_step = 0
+        if self.resume_dir:
+            state = ckpt.load_checkpoint(self.resume_dir, optimizer=self.optimizer, scheduler=self.scheduler)
+            self.global_step = state["step"]
+            self.cursor.load_state_dict(state["cursor"])
+            ckpt.load_accumulator_state(self.accumulator, state["accumulator"])
+
+    # ------------------------------------------------------------------ setup
+    def _setup_parallel(self) -> None:
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tp = self.actor_cfg.tensor_model_parallel_size
+        if self.world % self.tp:
+            raise ValueError(f"actor_rollout_ref.actor.tensor_model_parallel_size={self.tp} must divide the "
+                             f"number of processes {self.world}")
+        self.dp = self.world // self.tp
+        self.tp_group = self.dp_group = self.dp_mesh = None
+        if self.world > 1:
+            mesh = make_mesh(self.device, tp=self.tp)
+            self.tp_group, self.dp_mesh = mesh["tp"].get_group(), mesh["dp"]
+            self.dp_group = self.dp_mesh.get_group()
+
+    def _build_model(self, path: str, trainable: bool = True):
+        arr = self.cfg.actor_rollout_ref
+        model = load_hf_model(path, _DTYPES[arr.model.dtype], self.device)
+        model.activation_checkpointing = arr.model.enable_gradient_checkpointing and trainable
+        if self.tp > 1:
+            parallelize(model, self.tp_group)
+        if trainable and self.actor_cfg.strategy == "fsdp2" and self.dp > 1:
+            apply_fsdp(model, self.dp_mesh)
+        model.requires_grad_(trainable)
+        return model
+
+    def _find_resume_dir(self) -> Optional[str]:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return None
+        if t.resume_mode == "resume_path":
+            if not os.path.isdir(os.path.join(t.resume_from_path, "model")):
+                raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a checkpoint directory")
+            return t.resume_from_path
+        return ckpt.latest_checkpoint(self.ckpt_root)
+
+    # ------------------------------------------------------------------ rollout + reward
+    def _prompt_ids(self, rows_idx: List[int], rows: List[dict], cache: Optional[dict]) -> List[List[int]]:
+        d = self.cfg.data
+        out = []
+        for i in rows_idx:
+            if cache is None or i not in cache:
+                text = data_mod.apply_template(rows[i]["prompt"], d.prompt_template)
+                ids = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation)
+                if cache is None:
+                    out.append(ids)
+                    continue
+                cache[i] = ids
+            out.append(cache[i])
+        return out
+
+    def _score(self, out, rows: List[dict]):
+        """Rewards of every response: (score, acc, components) lists, response texts."""
+        stops = set(self.tokenizer.eos_token_ids)
+        scores, accs, comps = [], [], []
+        max_len = self.cfg.data.max_response_length
+        for k in range(out.num_responses):
+            ids = out.response(k)
+            truncated = not ids or ids[-1] not in stops
+            body = ids if truncated else ids[:-1]
+            row = rows[out.group_index[k].item()]
+            res = self.reward_fn(row["data_source"], self.tokenizer.decode(body), row["ground_truth"],
+                                 {"prompt": row["prompt"], "response_length": len(ids),
+                                  "max_response_length": max_len, "truncated": truncated})
+            if isinstance(res, dict):
+                if "score" not in res:
+                    raise ValueError(f"reward function returned a dict without 'score': {sorted(res)}")
+                score = float(res["score"])
+                acc = float(res["acc"]) if "acc" in res else float(score > 0)
+            else:
+                score, res = float(res), {}
+                acc = float(score > 0)
+            scores.append(score)
+            accs.append(acc)
+            comps.append(res)
+        return scores, accs, comps
+
+    def _filter_metric(self, score, acc, final, comps) -> torch.Tensor:
+        m = self.cfg.algorithm.filter_groups.metric
+        if m == "acc":
+            return acc
+        if m in ("score", "seq_reward"):
+            return score
+        if m == "seq_final_reward":
+            return final
+        vals = []
+        for c in comps:
+            missing = [name for name in m if name not in c]
+            if missing:
+                raise ValueError(f"algorithm.filter_groups.metric weights {missing}, which the reward function "
+                                 f"did not return (it returned {sorted(c)})")
+            vals.append(sum(float(w) * float(c[name]) for name, w in m.items()))
+        return torch.tensor(vals, dtype=torch.float64)
+
+    def _seed(self, step: int, k: int) -> int:
+        return (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + k) % (2 ** 62)
+
+    def generation_batch(self, step: int, k: int) -> dict:
+        """Generate, reward and filter one generation batch; rows padded to fixed widths."""
+        d, r = self.cfg.data, self.rollout_cfg
+        idx = self.cursor.next_batch()
+        rows = [self.train_rows[i] for i in idx]
+        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, r.n, d.max_response_length, temperature=r.temperature, top_p=r.top_p,
+                                   seed=self._seed(step, k), stop_token_ids=self.tokenizer.eos_token_ids)
+        t1 = time.perf_counter()
+        score, acc, comps = self._score(out, rows)
+        score = torch.tensor(score, dtype=torch.float64)
+        acc = torch.tensor(acc, dtype=torch.float64)
+        lengths = out.lengths
+        final = score.clone()
+        ob = self.cfg.reward_model.overlong_buffer
+        if ob.enable:
+            final += dk.overlong_penalty(lengths, d.max_response_length, ob.len, ob.penalty_factor).double()
+        t2 = time.perf_counter()
+        metric = self._filter_metric(score, acc, final, comps)
+        algo = self.cfg.algorithm
+        adv = dk.group_filter(final, group_size=r.n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
+        if algo.filter_groups.enable:
+            keep = dk.group_filter(metric, group_size=r.n).check().keep
+        else:
+            keep = torch.ones(len(final), dtype=torch.bool)
+        N, P, R = out.num_responses, d.max_prompt_length, d.max_response_length
+        prompt_ids = torch.full((N, P), self.tokenizer.pad_token_id, dtype=torch.int64)
+        prompt_len = torch.zeros(N, dtype=torch.int64)
+        response_ids = torch.full((N, R), self.tokenizer.pad_token_id, dtype=torch.int64)
+        for k_ in range(N):
+            p = prompts[out.group_index[k_].item()]
+            prompt_ids[k_, :len(p)] = torch.tensor(p)
+            prompt_len[k_] = len(p)
+            s, e = out.cu_seqlens[k_].item(), out.cu_seqlens[k_ + 1].item()
+            response_ids[k_, :e - s] = out.response_ids[s:e]
+        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": response_ids,
+                   "response_len": lengths.long(), "advantages": adv.advantages.float(), "score": score,
+                   "acc": acc, "reward": final,
+                   "truncated": torch.tensor([f != "stop" for f in out.finish_reasons])}
+        return {"tensors": tensors, "group_index": out.group_index, "keep": keep, "metric": metric,
+                "timing": {"gen": t1 - t0, "reward": t2 - t1, "filter": time.perf_counter() - t2},
+                "tokens": int(prompt_len.sum() + lengths.sum())}
+
+    def collect(self, step: int):
+        """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
+        timing, tokens, k = defaultdict(float), 0, 0
+        while not self.accumulator.ready:
+            gb = self.generation_batch(step, k)
+            k += 1
+            for key, v in gb["timing"].items():
+                timing[key] += v
+            tokens += gb["tokens"]
+            t0 = time.perf_counter()
+            self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+            timing["filter"] += time.perf_counter() - t0
+        batch = self.accumulator.take()
+        am = self.accumulator.last_metrics
+        pre = "dynamic_sampling/"
+        metrics = {
+            "train/num_gen_batches": am[pre + "gen_batches"], "train/seen_groups": am[pre + "groups_seen"],
+            "train/kept_groups": am[pre + "groups_kept"], "train/keep_rate": am[pre + "keep_rate"],
+            "train/all_correct_groups": am[pre + "groups_all_correct"],
+            "train/all_wrong_groups": am[pre + "groups_all_wrong"],
+            "train/carried_in_groups": am[pre + "groups_carried_in"],
+            "train/carried_over_groups": am[pre + "groups_carried_over"],
+            "train/gen_tokens": tokens,
+        }
+        metrics.update({f"timing_s/{k_}": v for k_, v in timing.items()})
+        return batch, metrics
+
+    # ------------------------------------------------------------------ update
+    def _plan(self, batch) -> List[dict]:
+        """Per mini-batch: this rank's micro-batches (row indices) and the global counts."""
+        a, n = self.actor_cfg, self.rollout_cfg.n
+        seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
+        resp = batch["response_len"].tolist()
+        rows_per_mini = a.ppo_mini_batch_size * n
+        plan = []
+        for start in range(0, len(seqlens), rows_per_mini):
+            mini = list(range(start, min(start + rows_per_mini, len(seqlens))))
+            mine = mini
+            if self.dp > 1:
+                part = balanced_dp_split([seqlens[i] for i in mini], self.dp_group,
+                                         hidden_size=self.model.config.hidden_size)
+                mine = [mini[i] for i in part]
+            lens = [seqlens[i] for i in mine]
+            if a.use_dynamic_bsz:
+                micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu)
+                if a.strategy == "fsdp2" and self.dp > 1:
+                    # FSDP reduce-scatters in every backward: every rank runs as many.
+                    cnt = torch.tensor([len(micro)], device=self.device)
+                    dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.dp_group)
+                    micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu, min_num_micro_batches=int(cnt))
+                micro = [[mine[i] for i in mb] for mb in micro]
+            else:
+                step = a.ppo_micro_batch_size_per_gpu
+                micro = [mine[i:i + step] for i in range(0, len(mine), step)]
+            plan.append({"micro": micro, "num_tokens": sum(resp[i] for i in mini), "num_seqs": len(mini)})
+        return plan
+
+    def _pack(self, batch, rows: List[int]) -> dict:
+        """Prompt + response of ``rows`` end to end, labels shifted by one token."""
+        ids, cu, mask, adv = [], [0], [], []
+        for i in rows:
+            pl, rl = int(batch["prompt_len"][i]), int(batch["response_len"][i])
+            seq = torch.cat([batch["prompt_ids"][i, :pl], batch["response_ids"][i, :rl]])
+            ids.append(seq)
+            cu.append(cu[-1] + pl + rl)
+            # Position t predicts token t + 1: the response tokens are predicted from
+            # positions pl - 1 .. pl + rl - 2.
+            m = torch.zeros(pl + rl, dtype=torch.bool)
+            m[pl - 1:pl + rl - 1] = True
+            mask.append(m)
+            adv.append(torch.full((pl + rl,), float(batch["advantages"][i])))
+        input_ids = torch.cat(ids)
+        labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
+        dev = self.device
+        lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
+        return {"input_ids": input_ids.to(dev), "labels": labels.to(dev), "mask": torch.cat(mask).to(dev),
+                "advantages": torch.cat(adv).to(dev), "cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=dev),
+                "max_seqlen": max(lens)}
+
+    @torch.no_grad()
+    def _log_probs(self, model, mb: dict, entropy: bool):
+        hidden = model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+        return model.log_probs(hidden, mb["labels"], temperature=self.rollout_cfg.temperature,
+                               return_entropy=entropy)
+
+    def update(self, batch) -> Dict[str, float]:
+        """Old / ref log-probs, then the policy update over mini-batches and epochs."""
+        a = self.actor_cfg
+        timing = {}
+        plan = self._plan(batch)
+        packed = [[self._pack(batch, rows) for rows in p["micro"]] for p in plan]
+        on_policy = a.ppo_epochs == 1 and len(plan) == 1
+        t0 = time.perf_counter()
+        if not on_policy:
+            for mbs in packed:
+                for mb in mbs:
+                    mb["old_log_prob"], mb["entropy"] = self._log_probs(self.model, mb, True)
+        timing["timing_s/old_log_prob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self.ref_model is not None:
+            for mbs in packed:
+                for mb in mbs:
+                    mb["ref_log_prob"], _ = self._log_probs(self.ref_model, mb, False)
+            timing["timing_s/ref"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        sums = defaultdict(float)
+        n_updates = 0
+        weight = self.model.lm_head.weight
+        seq_mode = a.loss_agg_mode.startswith("seq")
+        dp_scale = self.dp if (a.strategy == "fsdp2" and self.dp > 1) else 1
+        for _ in range(a.ppo_epochs):
+            for p, mbs in zip(plan, packed):
+                self.optimizer.zero_grad(set_to_none=True)
+                for mb in mbs:
+                    hidden = self.model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+                    if on_policy:
+                        # Ratio exactly 1: the old log-probs are the current ones, detached.
+                        with torch.no_grad():
+                            mb["old_log_prob"], mb["entropy"] = self.model.log_probs(
+                                hidden.detach(), mb["labels"], temperature=self.rollout_cfg.temperature,
+                                return_entropy=True)
+                    loss, m = dk.fused_linear_policy_loss(
+                        hidden, weight, mb["labels"], mb["old_log_prob"], mb["advantages"], mb["mask"],
+                        temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
+                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                        loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
+                        cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
+                        loss_scale_factor=self.cfg.data.max_response_length
+                        if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
+                        entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
+                        kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
+                        process_group=self.model.tp_group)
+                    (loss * dp_scale).backward()
+                    ntok = float(mb["mask"].sum())
+                    sums["loss"] += float(loss.detach())
+                    sums["pg_loss"] += float(m["pg_loss"])
+                    if "kl_loss" in m:
+                        sums["kl_loss"] += float(m["kl_loss"])
+                    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                        sums[key] += float(m[key]) * ntok
+                    sums["entropy"] += float((mb["entropy"] * mb["mask"]).sum())
+                    sums["tokens"] += ntok
+                self._reduce_grads()
+                sums["grad_norm"] += self._clip_grads()
+                self.optimizer.step()
+                n_updates += 1
+        self.scheduler.step()
+        timing["timing_s/update_actor"] = time.perf_counter() - t0
+        keys = sorted(sums)
+        vals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        if self.dp > 1:
+            grad_norm_idx = keys.index("grad_norm")
+            vals[grad_norm_idx] /= self.dp  # identical on every rank: keep it unsummed
+            dist.all_reduce(vals, group=self.dp_group)
+        s = dict(zip(keys, vals.tolist()))
+        out = {"actor/loss": s["loss"] / n_updates, "actor/pg_loss": s["pg_loss"] / n_updates,
+               "actor/grad_norm": s["grad_norm"] / n_updates, "actor/lr": self.optimizer.param_groups[0]["lr"],
+               "actor/num_updates": n_updates}
+        for key in _TOKEN_AVG:
+            out[f"actor/{key}"] = s[key] / max(s["tokens"], 1.0)
+        if "kl_loss" in s:
+            out["actor/kl_loss"] = s["kl_loss"] / n_updates
+        out.update(timing)
+        return out
+
+    def _reduce_grads(self) -> None:
+        """Sum gradients over data-parallel ranks (FSDP does it itself)."""
+        if self.dp == 1 or self.actor_cfg.strategy == "fsdp2":
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _clip_grads(self) -> float:
+        """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return it."""
+        clip = self.actor_cfg.grad_clip
+        if self.tp == 1:
+            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        sharded = tp_shard_dims(self.model)
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
+        grads = []
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                sq[0 if name in sharded else 1] += p.grad.double().pow(2).sum()
+                grads.append(p.grad)
+        shard_sq = sq[:1].clone()
+        dist.all_reduce(shard_sq, group=self.tp_group)
+        norm = float((shard_sq[0] + sq[1]).sqrt())
+        if math.isfinite(norm) and norm > clip:
+            for g in grads:
+                g.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def sync_weights(self) -> None:
+        if self.sharded:
+            self.rollout_model.load_state_dict(full_state_dict(self.model))
+        self.engine.update_weights(self.rollout_model)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> Dict[str, float]:
+        """Greedy (``rollout.val_kwargs``) decoding of the validation rows, split over all ranks."""
+        if not self.val_rows:
+            return {}
+        d, vk = self.cfg.data, self.rollout_cfg.val_kwargs
+        mine = list(range(self.rank, len(self.val_rows), self.world))
+        sums = torch.zeros(4, dtype=torch.float64)
+        for start in range(0, len(mine), d.val_batch_size):
+            idx = mine[start:start + d.val_batch_size]
+            rows = [self.val_rows[i] for i in idx]
+            prompts = self._prompt_ids(idx, self.val_rows, None)
+            out = self.engine.generate(prompts, vk.n, d.max_response_length, temperature=vk.temperature,
+                                       top_p=vk.top_p, seed=self._seed(self.global_step, -1),
+                                       stop_token_ids=self.tokenizer.eos_token_ids)
+            score, acc, _ = self._score(out, rows)
+            sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(sums)
+        n = max(float(sums[3]), 1.0)
+        return {"val/score": float(sums[0]) / n, "val/acc": float(sums[1]) / n,
+                "val/response_length": float(sums[2]) / n}
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self) -> Dict[str, float]:
+        """One DAPO step; returns its metrics (without validation)."""
+        step = self.global_step + 1
+        t0 = time.perf_counter()
+        batch, metrics = self.collect(step)
+        metrics.update(self.update(batch))
+        t1 = time.perf_counter()
+        self.sync_weights()
+        metrics["timing_s/update_weights"] = time.perf_counter() - t1
+        metrics.update(batch_metrics(batch, self.cfg.data.max_response_length))
+        metrics["timing_s/step"] = time.perf_counter() - t0
+        metrics["perf/tokens_per_s"] = metrics["train/gen_tokens"] / max(metrics["timing_s/step"], 1e-9)
+        self.global_step = step
+        return metrics
+
+    def save(self) -> str:
+        state = {"step": self.global_step, "cursor": self.cursor.state_dict(),
+                 "accumulator": ckpt.accumulator_state(self.accumulator)}
+        full = full_state_dict(self.model) if self.sharded else self.model.state_dict()
+        model = self.rollout_model if self.sharded else self.model
+        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=model, full_state=full,
+                                    optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
+                                    model_src_dir=self.cfg.actor_rollout_ref.model.path)
+
+    def fit(self) -> Dict[str, float]:
+        """Train to ``trainer.total_training_steps``; returns the last step's metrics."""
+        t = self.cfg.trainer
+        log = MetricsLogger(self.run_dir, t.total_training_steps, start_step=self.global_step,
+                            enabled=self.rank == 0, progress_bar=t.progress_bar,
+                            tensorboard="tensorboard" in t.logger)
+        metrics: Dict[str, float] = {}
+        try:
+            if self.global_step == 0 and t.val_before_train and self.val_rows:
+                metrics = self.validate()
+                log.log(0, metrics)
+            while self.global_step < t.total_training_steps:
+                metrics = self.train_step()
+                step, last = self.global_step, self.global_step == t.total_training_steps
+                if (t.test_freq > 0 and step % t.test_freq == 0) or last:
+                    t0 = time.perf_counter()
+                    metrics.update(self.validate())
+                    metrics["timing_s/validate"] = time.perf_counter() - t0
+                log.log(step, metrics)
+                log.progress(step, metrics)
+                if (t.save_freq > 0 and step % t.save_freq == 0) or last:
+                    self.save()
+        finally:
+            log.close()
+        return metrics
+
+
+def batch_metrics(batch, max_response_length: int) -> Dict[str, float]:
+    """Reward, accuracy and length statistics of the train batch."""
+    rl = batch["response_len"].double()
+    return {"critic/score/mean": float(batch["score"].mean()), "critic/rewards/mean": float(batch["reward"].mean()),
+            "critic/advantages/mean": float(batch["advantages"].mean()), "acc/mean": float(batch["acc"].mean()),
+            "response_length/mean": float(rl.mean()), "response_length/max": float(rl.max()),
+            "response_length/min": float(rl.min()),
+            "response_length/clip_ratio": float(batch["truncated"].double().mean()),
+            "prompt_length/mean": float(batch["prompt_len"].double().mean()),
+            "train/num_tokens": float(batch["response_len"].sum())}

@@ -3,8 +3,10 @@
 Per token ``i`` with logits ``z = hidden @ weight.T / temperature`` (fp32-accumulated):
 
 * ``lse = log sum_v exp(z_v)``, ``log_prob = z[label] - lse``,
-  ``mu = sum_v p_v z_v`` and ``entropy = lse - mu``;
-* ``d/dz_v = g_lp * (onehot_v - p_v) - g_ent * p_v * (z_v - mu)``.
+  ``entropy = -sum_v p_v (z_v - lse)``, accumulated as ``log s - t / s`` with
+  ``s = sum exp(z - max)`` and ``t = sum exp(z - max) (z - max)`` (no cancellation of
+  two large numbers);
+* ``d/dz_v = g_lp * (onehot_v - p_v) - g_ent * p_v * (z_v - lse + entropy)``.
 
 Four statistics per row (running max, sum-exp, sum-exp * z, target logit) are reduced
 online over vocab tiles, then over the vocab splits of the grid, then over the ranks of
@@ -41,7 +43,7 @@ _TRITON_DZ_BYTES = 1 << 30
 # Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64.
 _BLOCK_M, _BLOCK_V, _BLOCK_K = 64, 128, 64
 _NUM_WARPS = 8
-# Row statistics: running max, sum exp(z - max), sum exp(z - max) * z, target logit.
+# Row statistics: running max, sum exp(z - max), sum exp(z - max) * (z - max), target logit.
 _NUM_STATS = 4
 # Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
 # #tokens, entropy, kl (each weighted like the loss except the counts).
@@ -81,8 +83,9 @@ def _linear_log_probs_fwd_kernel(
     m_m = o_m < N
     b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_ez = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # fp64 running sums: one add per row per tile, and log s - t / s keeps its digits.
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float64)
+    b_t = tl.zeros([BLOCK_M], dtype=tl.float64)
     b_tgt = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t in range(0, tiles_per_split):
         o_v = (i_s.to(tl.int64) * tiles_per_split + t) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -93,22 +96,25 @@ def _linear_log_probs_fwd_kernel(
         b_new = tl.maximum(b_max, tl.max(b_z, axis=1))
         # A tile past the end of the vocab leaves the max at -inf; shift by 0 there.
         b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
-        b_scale = tl.exp(b_max - b_ref)
+        b_scale = tl.exp(b_max - b_ref).to(tl.float64)
         b_p = tl.exp(b_z - b_ref[:, None])
-        b_sum = b_sum * b_scale + tl.sum(b_p, axis=1)
         if ENTROPY:
-            b_ez = b_ez * b_scale + tl.sum(b_p * tl.where(m_v[None, :], b_z, 0.0), axis=1)
+            # t moves with the max: t' = scale * (t + (m_old - m_new) * s_old).
+            b_shift = (tl.where(b_max == float("-inf"), b_ref, b_max) - b_ref).to(tl.float64) * b_sum
+            b_zc = tl.where(m_v[None, :], b_z - b_ref[:, None], 0.0)
+            b_t = (b_t + b_shift) * b_scale + tl.sum(b_p * b_zc, axis=1).to(tl.float64)
+        b_sum = b_sum * b_scale + tl.sum(b_p, axis=1).to(tl.float64)
         b_max = b_new
     p_out = p_stats + (i_s.to(tl.int64) * N + o_m) * 4
-    tl.store(p_out + 0, b_max, mask=m_m)
+    tl.store(p_out + 0, b_max.to(tl.float64), mask=m_m)
     tl.store(p_out + 1, b_sum, mask=m_m)
-    tl.store(p_out + 2, b_ez, mask=m_m)
-    tl.store(p_out + 3, b_tgt, mask=m_m)
+    tl.store(p_out + 2, b_t, mask=m_m)
+    tl.store(p_out + 3, b_tgt.to(tl.float64), mask=m_m)
 
 
 @triton.jit
 def _linear_log_probs_bwd_kernel(
-    p_h, p_w, p_lab, p_lse, p_mu, p_glp, p_gent, p_dz, N, V, H, vocab_start, inv_temp, v0, n_cols,
+    p_h, p_w, p_lab, p_lse, p_ent, p_glp, p_gent, p_dz, N, V, H, vocab_start, inv_temp, v0, n_cols,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -123,11 +129,12 @@ def _linear_log_probs_bwd_kernel(
     b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
     b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
     b_lse = tl.load(p_lse + o_m, mask=m_m, other=0)
-    b_mu = tl.load(p_mu + o_m, mask=m_m, other=0)
+    b_ent = tl.load(p_ent + o_m, mask=m_m, other=0)
     b_glp = tl.load(p_glp + o_m, mask=m_m, other=0)
     b_gent = tl.load(p_gent + o_m, mask=m_m, other=0)
-    b_p = tl.exp(b_z - b_lse[:, None])
-    b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * (b_z - b_mu[:, None]))
+    b_lv = b_z - b_lse[:, None]
+    b_p = tl.exp(b_lv)
+    b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * (b_lv + b_ent[:, None]))
     b_dz += tl.where(o_v[None, :] == b_lab[:, None], b_glp[:, None], 0.0)
     b_dz = b_dz * inv_temp
     tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
@@ -155,16 +162,27 @@ def _all_reduce(t: torch.Tensor, key: str, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def _rescale(m_part, s_part, t_part, m):
+    """(s, t) of partials taken relative to their own max ``m_part``, moved to max ``m``."""
+    scale = torch.exp(m_part - m)  # -inf partials (empty splits) -> 0
+    shift = torch.where(scale > 0, (m_part - m) * s_part, 0.0)
+    return s_part * scale, (t_part + shift) * scale
+
+
 def combine_stats(stats: torch.Tensor, key: str = "") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``stats [S, N, 4]`` partial row statistics -> fp32 ``(lse, log_prob, mu)`` over splits and ranks."""
+    """fp64 ``stats [S, N, 4]`` partial row statistics -> fp32 ``(lse, log_prob, entropy)`` over splits and ranks."""
     m_part = stats[..., 0]
-    m = _all_reduce(m_part.amax(0), key, "max")
-    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    scale = torch.exp(m_part - ref)  # -inf partials (empty splits) -> 0
-    sums = torch.stack([(stats[..., 1] * scale).sum(0), (stats[..., 2] * scale).sum(0), stats[..., 3].sum(0)])
-    s, ez, tgt = _all_reduce(sums, key)
-    lse = ref + torch.log(s)
-    return lse, tgt - lse, ez / s
+    m_local = m_part.amax(0)
+    m_local = torch.where(torch.isfinite(m_local), m_local, torch.zeros_like(m_local))
+    s, t = _rescale(m_part, stats[..., 1], stats[..., 2], m_local)
+    sums = torch.stack([s.sum(0), t.sum(0), stats[..., 3].sum(0)])
+    if key:
+        m = _all_reduce(m_local.clone(), key, "max")
+        sums[0], sums[1] = _rescale(m_local, sums[0], sums[1], m)
+        m_local = m
+    s, t, tgt = _all_reduce(sums, key)
+    log_s = torch.log(s)
+    return (m_local + log_s).float(), ((tgt - m_local) - log_s).float(), (log_s - t / s).float()
 
 
 # --------------------------------------------------------------------------- torch backend
@@ -175,17 +193,20 @@ def _chunk_rows(n_cols: int, n_rows: int) -> int:
 def _stats_of_logits(z: torch.Tensor, lab: torch.Tensor, entropy: bool):
     """Row statistics of an fp32 logits chunk and ``exp(z - rowmax)`` (reused for p)."""
     m = z.amax(1)
-    e = torch.exp(z - m[:, None])
-    s = e.sum(1)
-    ez = torch.bmm(e[:, None, :], z[:, :, None]).view(-1) if entropy else torch.zeros_like(s)
+    zc = z - m[:, None]
+    e = torch.exp(zc)
+    # fp64 row sums of fp32 terms: log s - t / s keeps its digits.
+    s = e.sum(1, dtype=torch.float64)
+    t = zc.mul_(e).sum(1, dtype=torch.float64) if entropy else torch.zeros_like(s)
+    del zc
     inside = (lab >= 0) & (lab < z.shape[1])
     tgt = torch.where(inside, z.gather(1, lab.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-    return torch.stack([m, s, ez, tgt], dim=1), e
+    return torch.stack([m.double(), s, t, tgt.double()], dim=1), e
 
 
-def _dlogits_(z: torch.Tensor, p: torch.Tensor, lab, mu, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+def _dlogits_(z: torch.Tensor, p: torch.Tensor, lab, lse, ent, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
     """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities."""
-    z.sub_(mu[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+    z.sub_(lse[:, None]).add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
     inside = (lab >= 0) & (lab < z.shape[1])
     rows = torch.arange(z.shape[0], device=z.device)
     z.index_put_((rows, lab.clamp(0, z.shape[1] - 1)), torch.where(inside, g_lp, 0.0), accumulate=True)
@@ -196,7 +217,7 @@ def _dlogits_(z: torch.Tensor, p: torch.Tensor, lab, mu, g_lp, g_ent, inv_temp: 
 def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
     n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
-    stats = torch.empty((1, n, _NUM_STATS), dtype=torch.float32, device=hidden.device)
+    stats = torch.empty((1, n, _NUM_STATS), dtype=torch.float64, device=hidden.device)
     step = _chunk_rows(v, n)
     for r0 in range(0, n, step):
         z = torch.mm(hidden[r0:r0 + step].float(), w32.t()).mul_(inv_temp)
@@ -205,7 +226,7 @@ def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
 
 
 @register("linear_log_probs_grads", "torch")
-def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g_ent):
+def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
     """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk."""
     n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
@@ -217,7 +238,7 @@ def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g
         h = hidden[sl].float()
         z = torch.mm(h, w32.t()).mul_(inv_temp)
         p = torch.exp(z - lse[sl, None])
-        dz = _dlogits_(z, p, labels[sl] - vocab_start, mu[sl], g_lp[sl], g_ent[sl], inv_temp)
+        dz = _dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp)
         torch.mm(dz, w32, out=d_h[sl])
         d_w.addmm_(dz.t(), h)
     return d_h, d_w.to(weight.dtype)
@@ -245,7 +266,7 @@ def _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
     splits = _num_splits(cdiv(n, _BLOCK_M), n_tiles, hidden.device)
     per_split = cdiv(n_tiles, splits)
     splits = cdiv(n_tiles, per_split)
-    stats = empty_output((splits, n, _NUM_STATS), dtype=torch.float32, device=hidden.device)
+    stats = empty_output((splits, n, _NUM_STATS), dtype=torch.float64, device=hidden.device)
     if n:
         _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M), splits)](
             hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split,
@@ -256,14 +277,14 @@ def _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
 
 
 @register("linear_log_probs_grads", "triton")
-def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g_ent):
+def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
     """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS."""
     hidden, weight = hidden.contiguous(), weight.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
     d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-    args = [t.float().contiguous() for t in (lse, mu, g_lp, g_ent)]
+    args = [t.float().contiguous() for t in (lse, ent, g_lp, g_ent)]
     for v0 in range(0, v, cols):
         nc = min(cols, v - v0)
         dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
@@ -350,14 +371,14 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
         lab = labels[sl] - vocab_start
         z = torch.mm(x, w32.t()).mul_(inv_temp)
         stats, e = _stats_of_logits(z, lab, entropy)
-        lse, log_prob[sl], mu = combine_stats(stats[None], key)
+        lse, log_prob[sl], ent_c = combine_stats(stats[None], key)
         if entropy:
-            ent[sl] = lse - mu
+            ent[sl] = ent_c
         g_lp, g_ent, part = head(log_prob[sl], ent[sl], sl)
         sums += part
         if compute_grad:
-            p = e.mul_(torch.exp(stats[:, 0] - lse)[:, None])
-            dz = _dlogits_(z, p, lab, mu, g_lp, g_ent, inv_temp)
+            p = e.mul_(torch.exp(stats[:, 0].float() - lse)[:, None])
+            dz = _dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp)
             torch.mm(dz, w32, out=d_h[sl])
             d_w.addmm_(dz.t(), x)
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
@@ -366,12 +387,12 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
 @register("fused_linear_policy_loss", "triton")
 def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
     """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
-    lse, log_prob, mu = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key)
-    ent = lse - mu if entropy else torch.zeros_like(lse)
+    lse, log_prob, ent = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key)
+    ent = ent if entropy else torch.zeros_like(lse)
     g_lp, g_ent, sums = head(log_prob, ent, slice(None))
     if not compute_grad:
         return sums, log_prob, ent, hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
-    d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, mu, g_lp, g_ent)
+    d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent)
     return sums, log_prob, ent, d_h, d_w
 
 
@@ -379,44 +400,43 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
 @torch.library.custom_op("dapo::linear_log_probs", mutates_args=())
 def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
                          entropy: bool, vocab_start: int, group: str
-                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[N]`` (log_prob, entropy (zeros unless ``entropy``), lse, mu)."""
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``[N]`` (log_prob, entropy (zeros unless ``entropy``), lse)."""
     stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                               vocab_start, entropy)
-    lse, log_prob, mu = combine_stats(stats, group)
-    ent = lse - mu if entropy else torch.zeros_like(lse)
-    return log_prob, ent, lse, mu
+    lse, log_prob, ent = combine_stats(stats, group)
+    return log_prob, ent if entropy else torch.zeros_like(lse), lse
 
 
 @_linear_log_probs_op.register_fake
 def _(hidden, weight, labels, temperature, entropy, vocab_start, group):
-    return tuple(hidden.new_empty((hidden.shape[0],), dtype=torch.float32) for _ in range(4))
+    return tuple(hidden.new_empty((hidden.shape[0],), dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("dapo::linear_log_probs_bwd", mutates_args=())
 def _linear_log_probs_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                             mu: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor, temperature: float,
+                             ent: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor, temperature: float,
                              vocab_start: int, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dH in hidden's dtype, summed over the group; dW of the local vocab shard)."""
     d_h, d_w = dispatch("linear_log_probs_grads", hidden.device)(hidden, weight, labels, 1.0 / temperature,
-                                                                 vocab_start, lse, mu, g_lp, g_ent)
+                                                                 vocab_start, lse, ent, g_lp, g_ent)
     return _all_reduce(d_h, group).to(hidden.dtype), d_w
 
 
 @_linear_log_probs_bwd_op.register_fake
-def _(hidden, weight, labels, lse, mu, g_lp, g_ent, temperature, vocab_start, group):
+def _(hidden, weight, labels, lse, ent, g_lp, g_ent, temperature, vocab_start, group):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _llp_setup(ctx, inputs, output):
     hidden, weight, labels, temperature, entropy, vocab_start, group = inputs
-    ctx.save_for_backward(hidden, weight, labels, output[2], output[3])
+    ctx.save_for_backward(hidden, weight, labels, output[2], output[1])
     ctx.args = (temperature, vocab_start, group)
 
 
-def _llp_backward(ctx, g_lp, g_ent, g_lse, g_mu):
-    hidden, weight, labels, lse, mu = ctx.saved_tensors
-    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, lse, mu, g_lp.float().contiguous(),
+def _llp_backward(ctx, g_lp, g_ent, g_lse):
+    hidden, weight, labels, lse, ent = ctx.saved_tensors
+    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, lse, ent, g_lp.float().contiguous(),
                                         g_ent.float().contiguous(), *ctx.args)
     return d_h, d_w, None, None, None, None, None
 
@@ -517,7 +537,7 @@ def linear_log_probs(
         logits. Differentiable w.r.t. ``hidden`` and ``weight`` through both outputs.
     """
     vocab_start, key = _check_linear_inputs(hidden, weight, labels, temperature, process_group)
-    log_prob, ent, _, _ = _linear_log_probs_op(hidden, weight, labels, float(temperature), bool(return_entropy),
+    log_prob, ent, _ = _linear_log_probs_op(hidden, weight, labels, float(temperature), bool(return_entropy),
                                                vocab_start, key)
     return log_prob, (ent if return_entropy else None)
 

@@ -1,0 +1,41 @@
+"""Rollout engines: generate ``n`` responses per prompt from the current policy.
+
+::
+
+    engine = make_rollout(config, model)     # config.rollout.name (or config.name): "embedded" | "vllm"
+    out = engine.generate(prompt_ids, n, max_new_tokens, temperature=1.0, top_p=1.0, seed=None,
+                          stop_token_ids=(eos,))
+    engine.update_weights(model)             # after each optimiser step
+
+``out`` is a :class:`RolloutOutput` (packed responses, log-probs, group index); the
+log-prob convention is in :mod:`.base`.
+"""
+from .base import FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput
+from .embedded import EmbeddedRollout, naive_generate
+
+ENGINES = ("embedded", "vllm")
+
+
+def make_rollout(config, model) -> RolloutEngine:
+    """Build the engine named by the config, for ``model`` (a dapo_trainer ``Transformer``).
+
+    Args:
+        config: a :class:`RolloutConfig`, or any object with a ``rollout`` attribute that
+            is one (the trainer's config).
+        model: the policy; the embedded engine shares its weights, vLLM gets a copy
+            written in HF format.
+    """
+    cfg = getattr(config, "rollout", config)
+    if not isinstance(cfg, RolloutConfig):
+        raise TypeError(f"config must be a RolloutConfig or have a .rollout RolloutConfig, got {type(config).__name__}")
+    if cfg.name == "embedded":
+        return EmbeddedRollout(model, cfg)
+    if cfg.name == "vllm":
+        from .vllm_engine import VLLMRollout
+
+        return VLLMRollout(model, cfg)
+    raise ValueError(f"config.rollout.name must be one of {ENGINES}, got {cfg.name!r}")
+
+
+__all__ = ["make_rollout", "RolloutConfig", "RolloutOutput", "RolloutEngine", "EmbeddedRollout", "naive_generate",
+           "FINISH_STOP", "FINISH_LENGTH", "ENGINES"]

@@ -1,0 +1,312 @@
+"""Embedded sampler: batched KV-cache generation on the training model itself (torch only).
+
+Prefill runs the ``B`` distinct prompts once, packed, through the model's own layers
+(``dk.varlen_attention``); their K/V are copied to the ``n`` samples of each prompt. Decode
+then advances all ``N = B * n`` live sequences together, one token per step, attending a
+per-layer cache ``[N, kv_heads, S, head_dim]`` with a length mask. Nothing loops over
+sequences in Python; finished sequences are dropped from the batch (cache compacted) once
+they are a quarter of it.
+
+Randomness is counter-based: the uniform that draws the token of response ``k`` at step
+``t`` is a hash of ``(seed, k, t)``, so a response depends on its seed and index only,
+not on batch composition or thread count, and a run is reproducible bit for bit.
+Tokens are drawn by inverse CDF from the temperature-scaled (and top-p filtered)
+distribution; see :mod:`.base` for the log-prob convention.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import dapo_kernels as dk
+
+from ..model import Transformer, apply_rope, rope_cos_sin
+from .base import (FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput,
+                   check_generate_args)
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32).
+
+    Products wrap in int64 but their low 32 bits, all we keep, are exact.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def request_keys(seed: int, num: int) -> torch.Tensor:
+    """Per-response random keys ``[num]`` int64 for responses ``0..num-1`` under ``seed``."""
+    s = _mix32(torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.int64))
+    k = torch.arange(num, dtype=torch.int64)
+    return _mix32(_mix32(k ^ s[0]) ^ s[1])
+
+
+def step_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """Uniforms in (0, 1), float64 ``[len(keys)]``, for decode step ``step`` (53 random bits)."""
+    a = _mix32(keys ^ ((2 * step * 0x9E3779B9) & _MASK32))
+    b = _mix32(keys ^ (((2 * step + 1) * 0x9E3779B9) & _MASK32))
+    bits = (a >> 6) * (1 << 27) + (b >> 5)
+    return (bits.double() + 0.5) * 2.0 ** -53
+
+
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by inverse CDF; return ``(tokens [N] int64, log_probs [N] float32)``.
+
+    Args:
+        logits: ``[N, V]`` float32 raw logits.
+        u: ``[N]`` float64 uniforms in (0, 1).
+        temperature: 0 is greedy (argmax, log-probs at temperature 1).
+        top_p: keep the most probable tokens whose mass before them is < ``top_p``
+            (at least one), renormalised for drawing only.
+    """
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    order = None
+    if top_p < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    # Strictly below the total so the search never lands past the last positive token.
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, x, right=True).clamp_max_(logits.shape[1] - 1)
+    tok = idx.squeeze(1) if order is None else order.gather(1, idx).squeeze(1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def _resolve_seed(seed: Optional[int]) -> int:
+    if seed is None:
+        # From torch's global generator, so torch.manual_seed makes unseeded runs repeat too.
+        return int(torch.randint(0, 2**62, (1,)).item())
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    return seed & ((1 << 64) - 1)
+
+
+class _Recorder:
+    """Fills ``[N, max_new]`` token / log-prob tables and tracks which rows are done."""
+
+    def __init__(self, num: int, max_new: int, stop_ids: Sequence[int]):
+        self.tokens = torch.zeros(num, max_new, dtype=torch.int64)
+        self.log_probs = torch.zeros(num, max_new, dtype=torch.float32)
+        self.lengths = torch.full((num,), max_new, dtype=torch.int64)
+        self.stopped = torch.zeros(num, dtype=torch.bool)
+        self.stop_ids = torch.tensor(list(stop_ids), dtype=torch.int64)
+
+    def record(self, rows: torch.Tensor, step: int, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """Store step ``step`` of ``rows``; return the bool ``[len(rows)]`` of rows now finished.
+
+        Rows that finished earlier may still be passed (the batch is compacted lazily);
+        what they sample is ignored.
+        """
+        self.tokens[rows, step] = tok
+        self.log_probs[rows, step] = lp
+        done = self.stopped[rows]
+        hit = torch.isin(tok, self.stop_ids) & ~done
+        self.stopped[rows[hit]] = True
+        self.lengths[rows[hit]] = step + 1
+        return done | hit
+
+    def output(self, prompts: List[List[int]], n: int) -> RolloutOutput:
+        keep = torch.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
+        cu = torch.zeros(len(self.lengths) + 1, dtype=torch.int32)
+        cu[1:] = self.lengths.cumsum(0)
+        return RolloutOutput(
+            prompt_ids=prompts,
+            response_ids=self.tokens[keep],
+            cu_seqlens=cu,
+            lengths=self.lengths.clone(),
+            log_probs=self.log_probs[keep],
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped.tolist()],
+            group_index=torch.arange(len(prompts), dtype=torch.int64).repeat_interleave(n),
+            n=n,
+        )
+
+
+def _packed(prompts: List[List[int]], device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [T], cu_seqlens [B+1] int32, lengths [B] int64)`` of lists laid end to end."""
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
+    return ids, cu.to(device), lengths.to(device)
+
+
+class EmbeddedRollout(RolloutEngine):
+    """KV-cache sampler on a :class:`~dapo_trainer.model.Transformer` (shares its weights).
+
+    ``update_weights(model)`` only rebinds the model: the engine reads the live
+    parameters, so after an optimiser step it already samples from the new policy.
+    The model must not be tensor parallel (``model.tp_group is None``).
+    """
+
+    def __init__(self, model: Transformer, config: Optional[RolloutConfig] = None):
+        self.config = config or RolloutConfig()
+        self.update_weights(model)
+
+    def update_weights(self, model: Transformer) -> None:
+        if not isinstance(model, Transformer):
+            raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
+        if model.tp_group is not None:
+            raise ValueError("the embedded sampler needs an unsharded model (model.tp_group is not None)")
+        self.model = model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len or self.model.config.max_position_embeddings
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: List[List[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()
+                 ) -> RolloutOutput:
+        """Sample ``n`` responses per prompt (see :mod:`.base` for the output and log-probs).
+
+        Args:
+            prompt_ids: ``B`` non-empty lists of token ids.
+            n: responses per prompt; response ``k`` answers prompt ``k // n``.
+            max_new_tokens: length cap per response (``finish_reason`` "length").
+            temperature: > 0 samples from ``softmax(logits / temperature)``; 0 is greedy.
+            top_p: nucleus sampling mass in (0, 1].
+            seed: int for a reproducible run; None draws one from torch's global generator.
+            stop_token_ids: a response ends after sampling any of these (kept in it).
+        """
+        model = self.model
+        cfg = model.config
+        prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
+                                             self.max_model_len, cfg.vocab_size)
+        keys = request_keys(_resolve_seed(seed), len(prompts) * n)
+        dev = model.lm_head.weight.device
+        w_out = model.lm_head.weight.float()
+        rec = _Recorder(len(keys), max_new_tokens, stops)
+
+        last_hidden, caches, lengths = self._prefill(prompts, max_new_tokens)
+        rows = torch.arange(len(keys))                  # output row of each live batch row
+        # The n samples of a prompt share its prefill: expand prompt-level state to responses.
+        h = last_hidden.repeat_interleave(n, 0)
+        caches = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in caches]
+        pos = lengths.repeat_interleave(n)              # position of the token to sample next
+        width = int(lengths.max())                      # cache columns in use
+        for step in range(max_new_tokens):
+            logits = F.linear(h.float(), w_out)
+            tok, lp = sample_tokens(logits, step_uniforms(keys[rows], step), temperature, top_p)
+            live = ~rec.record(rows, step, tok.cpu(), lp.cpu())
+            if step + 1 == max_new_tokens:
+                break
+            n_live = int(live.sum())
+            if n_live == 0:
+                break
+            if n_live <= 3 * len(rows) // 4:
+                keep = live.nonzero().squeeze(1)
+                rows, tok, pos = rows[keep], tok[keep.to(dev)], pos[keep.to(dev)]
+                caches = [(k[keep], v[keep]) for k, v in caches]
+            width += 1
+            h = self._decode_step(tok, pos, caches, width)
+            pos = pos + 1
+        return rec.output(prompts, n)
+
+    def _prefill(self, prompts: List[List[int]], max_new_tokens: int):
+        """Run the distinct prompts packed; return the last hidden state per prompt
+        ``[B, H]``, per-layer caches ``(k, v)`` of shape ``[B, kv_heads, S, D]`` holding
+        the prompt keys / values in columns ``0..len-1``, and the lengths ``[B]``."""
+        model = self.model
+        cfg = model.config
+        dev = model.lm_head.weight.device
+        ids, cu, lengths = _packed(prompts, dev)
+        max_len = int(lengths.max())
+        S = max_len + max_new_tokens
+        pos_ids = dk.packed_position_ids(cu, ids.shape[0])
+        seq_of = torch.arange(len(prompts), device=dev).repeat_interleave(lengths)
+        h = model.embed_tokens(ids)
+        cos, sin = rope_cos_sin(cfg, pos_ids, h.dtype)
+        caches = []
+        for layer in model.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            D = attn.head_dim
+            q = apply_rope(attn.q_proj(x).view(x.shape[0], -1, D), cos, sin)
+            k = apply_rope(attn.k_proj(x).view(x.shape[0], -1, D), cos, sin)
+            v = attn.v_proj(x).view(x.shape[0], -1, D)
+            o = dk.varlen_attention(q, k, v, cu, max_len, causal=True, softmax_scale=D ** -0.5)
+            h = h + attn.o_proj(o.reshape(x.shape[0], -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            ck = k.new_zeros(len(prompts), k.shape[1], S, D)
+            cv = torch.zeros_like(ck)
+            ck[seq_of, :, pos_ids] = k
+            cv[seq_of, :, pos_ids] = v
+            caches.append((ck, cv))
+        last = cu[1:].long() - 1
+        return model.norm(h[last]), caches, lengths
+
+    def _decode_step(self, tok: torch.Tensor, pos: torch.Tensor, caches, width: int) -> torch.Tensor:
+        """One token per live sequence at position ``pos``; return hidden ``[N, H]``.
+
+        Writes the new keys / values into column ``pos`` of each cache and attends the
+        first ``width`` columns, masked to ``<= pos``.
+        """
+        model = self.model
+        N = tok.shape[0]
+        rows = torch.arange(N, device=tok.device)
+        h = model.embed_tokens(tok)
+        cos, sin = rope_cos_sin(model.config, pos, h.dtype)
+        masked = torch.arange(width, device=tok.device)[None, :] > pos[:, None]
+        bias = torch.zeros(N, width, dtype=h.dtype, device=h.device).masked_fill_(masked, float("-inf"))
+        for layer, (ck, cv) in zip(model.layers, caches):
+            attn = layer.self_attn
+            D = attn.head_dim
+            x = layer.input_layernorm(h)
+            q = apply_rope(attn.q_proj(x).view(N, -1, D), cos, sin)
+            ck[rows, :, pos] = apply_rope(attn.k_proj(x).view(N, -1, D), cos, sin)
+            cv[rows, :, pos] = attn.v_proj(x).view(N, -1, D)
+            kv_heads = ck.shape[1]
+            # GQA without repeating K/V: group the query heads that share a KV head.
+            qg = q.view(N, kv_heads, -1, D)
+            scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * D ** -0.5
+            probs = torch.softmax(scores + bias[:, None, None, :], dim=-1)
+            o = torch.matmul(probs, cv[:, :, :width]).reshape(N, -1)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return model.norm(h)
+
+
+@torch.inference_mode()
+def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_new_tokens: int,
+                   temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
+                   stop_token_ids: Sequence[int] = (), max_model_len: Optional[int] = None) -> RolloutOutput:
+    """Reference sampler: every step re-runs the full packed forward of all live sequences.
+
+    Same randomness and sampling rule as :class:`EmbeddedRollout`, so with the same seed
+    both return the same tokens (up to float ties); O(length^2) and for tests / benchmarks.
+    """
+    cfg = model.config
+    prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
+                                         max_model_len or cfg.max_position_embeddings, cfg.vocab_size)
+    keys = request_keys(_resolve_seed(seed), len(prompts) * n)
+    rec = _Recorder(len(keys), max_new_tokens, stops)
+    seqs = [list(prompts[k // n]) for k in range(len(keys))]
+    rows = torch.arange(len(keys))
+    w_out = model.lm_head.weight.float()
+    for step in range(max_new_tokens):
+        live = [seqs[r] for r in rows.tolist()]
+        ids, cu, lengths = _packed(live, model.lm_head.weight.device)
+        hidden = model(ids, cu, int(lengths.max()))[cu[1:].long() - 1]
+        tok, lp = sample_tokens(F.linear(hidden.float(), w_out), step_uniforms(keys[rows], step), temperature, top_p)
+        hit = rec.record(rows, step, tok.cpu(), lp.cpu())
+        for r, t in zip(rows.tolist(), tok.tolist()):
+            seqs[r].append(t)
+        rows = rows[~hit]
+        if len(rows) == 0:
+            break
+    return rec.output(prompts, n)

@@ -1,0 +1,282 @@
+"""Embedded KV-cache sampler: greedy vs full recomputation, sampling statistics, seeds,
+stops, grouping, log-prob agreement with ``dk.linear_log_probs``, weight sync, bad input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dapo_kernels as dk
+from dapo_trainer.model import ModelConfig, Transformer
+from dapo_trainer.rollout import FINISH_LENGTH, FINISH_STOP, RolloutConfig, make_rollout, naive_generate
+from dapo_trainer.rollout.embedded import request_keys, sample_tokens, step_uniforms
+
+V = 32
+
+
+def tiny_model(std: float = 0.3, vocab: int = V, **kw) -> Transformer:
+    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+               head_dim=16, max_position_embeddings=128)
+    cfg.update(kw)
+    return Transformer(ModelConfig(**cfg)).init_weights(std=std).eval()
+
+
+def random_prompts(b: int, max_len: int = 9, vocab: int = V) -> list:
+    return [torch.randint(0, vocab, (int(torch.randint(1, max_len + 1, ())),)).tolist() for _ in range(b)]
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def engine(model):
+    return make_rollout(RolloutConfig(name="embedded"), model)
+
+
+@torch.no_grad()
+def recomputed_log_probs(model, out, temperature):
+    """Log-probs of every response token from one packed forward of prompt + response."""
+    ids, cu, mask = out.sequences()
+    hidden = model(ids, cu, int((cu[1:] - cu[:-1]).max()))
+    lp, _ = dk.linear_log_probs(hidden[:-1], model.lm_head.weight, ids[1:], temperature=temperature)
+    return lp[mask[1:]], hidden, ids, mask
+
+
+def check_layout(out, num_prompts, n, max_new):
+    N = num_prompts * n
+    assert out.num_responses == N and out.n == n
+    assert torch.equal(out.group_index, torch.arange(num_prompts).repeat_interleave(n))
+    assert out.cu_seqlens.dtype == torch.int32 and out.cu_seqlens.shape == (N + 1,)
+    assert torch.equal(out.cu_seqlens[1:].long() - out.cu_seqlens[:-1].long(), out.lengths)
+    assert out.response_ids.shape == out.log_probs.shape == (int(out.cu_seqlens[-1]),)
+    assert out.log_probs.dtype == torch.float32 and out.response_ids.dtype == torch.int64
+    assert bool((out.lengths >= 1).all()) and bool((out.lengths <= max_new).all())
+    assert bool((out.log_probs <= 0).all())
+
+
+def test_greedy_matches_argmax_of_full_recomputation(model, engine):
+    prompts = random_prompts(5)
+    out = engine.generate(prompts, 2, 12, temperature=0.0)
+    check_layout(out, 5, 2, 12)
+    # Causal: the argmax of the full forward over prompt + response at each position is
+    # what step-by-step recomputation would pick.
+    ids, cu, mask = out.sequences()
+    with torch.no_grad():
+        greedy = model.logits(model(ids, cu, int((cu[1:] - cu[:-1]).max()))).argmax(-1)
+    assert torch.equal(greedy[:-1][mask[1:]], out.response_ids)
+    assert out.finish_reasons == [FINISH_LENGTH] * 10
+    ref = naive_generate(model, prompts, 2, 12, temperature=0.0)
+    assert torch.equal(ref.response_ids, out.response_ids)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)], ids=["T1", "T0.7-p0.8"])
+def test_sampling_equals_naive_loop_with_same_seed(model, engine, temperature, top_p):
+    prompts = random_prompts(4)
+    stops = tuple(range(0, V, 7))  # responses end at various steps: exercises batch compaction
+    out = engine.generate(prompts, 3, 16, temperature=temperature, top_p=top_p, seed=11, stop_token_ids=stops)
+    ref = naive_generate(model, prompts, 3, 16, temperature=temperature, top_p=top_p, seed=11, stop_token_ids=stops)
+    assert torch.equal(out.lengths, ref.lengths) and torch.equal(out.response_ids, ref.response_ids)
+    assert out.finish_reasons == ref.finish_reasons
+    assert (out.log_probs - ref.log_probs).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 1.0), (1.3, 0.7), (0.0, 1.0)],
+                         ids=["T1", "T0.6", "T1.3-p0.7", "greedy"])
+def test_log_probs_agree_with_linear_log_probs(model, engine, temperature, top_p):
+    prompts = random_prompts(6)
+    out = engine.generate(prompts, 4, 20, temperature=temperature, top_p=top_p, seed=3)
+    # Temperature-scaled, no top-p renormalisation; greedy reports temperature 1.
+    lp, *_ = recomputed_log_probs(model, out, temperature or 1.0)
+    diff = (lp - out.log_probs).abs()
+    assert diff.mean() < 1e-4 and diff.max() < 1e-3, f"mean {diff.mean():.2e} max {diff.max():.2e}"
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 3.719 is p = 1e-4."""
+    a = 2.0 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor, total: int):
+    """Pearson statistic with bins of expected count < 5 merged; returns (stat, dof)."""
+    exp = probs.double() * total
+    small = exp < 5
+    obs, ex = counts[~small].double(), exp[~small]
+    if small.any():
+        obs = torch.cat([obs, counts[small].sum().double()[None]])
+        ex = torch.cat([ex, exp[small].sum()[None]])
+    return float(((obs - ex) ** 2 / ex).sum()), len(ex) - 1
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.5, 1.0), (1.0, 0.6)], ids=["T1", "T0.5", "p0.6"])
+def test_first_token_distribution_is_the_softmax(temperature, top_p):
+    model = tiny_model(vocab=16)
+    prompt = random_prompts(1, vocab=16)
+
+    def last_logits():
+        ids = torch.tensor(prompt[0])
+        with torch.no_grad():
+            return model.logits(model(ids, torch.tensor([0, len(ids)], dtype=torch.int32), len(ids)))[-1].double()
+
+    # Scale the head so that logits / temperature have unit spread: neither flat nor peaked.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(temperature / last_logits().std().item())
+    total = 6000
+    out = make_rollout(RolloutConfig(), model).generate(prompt, total, 1, temperature=temperature, top_p=top_p)
+    logits = last_logits()
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1:
+        sp, order = probs.sort(descending=True)
+        keep = (sp.cumsum(0) - sp) < top_p
+        probs = torch.zeros_like(probs).index_put_((order[keep],), sp[keep])
+        probs /= probs.sum()
+    counts = torch.bincount(out.response_ids, minlength=16)
+    assert int(counts[probs == 0].sum()) == 0, "sampled a token outside the top-p nucleus"
+    stat, dof = chi2_stat(counts[probs > 0], probs[probs > 0], total)
+    assert dof >= 2, "distribution too peaked for a meaningful test"
+    assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
+
+
+def test_uniforms_are_uniform_and_keyed():
+    keys = request_keys(123, 20000)
+    u = step_uniforms(keys, 5)
+    assert bool(((u > 0) & (u < 1)).all())
+    counts = torch.histc(u.float(), bins=20, min=0, max=1)
+    stat, dof = chi2_stat(counts, torch.full((20,), 0.05), 20000)
+    assert stat < chi2_critical(dof)
+    assert not torch.equal(u, step_uniforms(keys, 6)) and not torch.equal(keys, request_keys(124, 20000))
+    assert torch.equal(request_keys(123, 7), keys[:7])
+
+
+def test_inverse_cdf_never_picks_zero_probability_tokens():
+    logits = torch.full((4, 8), -float("inf"))
+    logits[:, 3] = 0.0
+    logits[2, 5] = 1.0
+    u = torch.tensor([1e-17, 0.5, 1 - 2 ** -53, 1 - 2 ** -53], dtype=torch.float64)
+    tok, lp = sample_tokens(logits, u, 1.0, 1.0)
+    assert tok.tolist() == [3, 3, 5, 3]
+    assert torch.isfinite(lp).all()
+
+
+def test_seeds_reproduce(model, engine):
+    prompts = random_prompts(3)
+    a = engine.generate(prompts, 4, 10, seed=7)
+    b = engine.generate(prompts, 4, 10, seed=7)
+    c = engine.generate(prompts, 4, 10, seed=8)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.log_probs, b.log_probs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    # A response depends on (seed, index) only: the first prompt's samples do not change
+    # when more prompts join the batch.
+    alone = engine.generate(prompts[:1], 4, 10, seed=7)
+    assert torch.equal(alone.response_ids, a.response_ids[: int(a.cu_seqlens[4])])
+    # seed=None draws from torch's global generator.
+    torch.manual_seed(5)
+    d = engine.generate(prompts, 4, 10)
+    torch.manual_seed(5)
+    e = engine.generate(prompts, 4, 10)
+    assert torch.equal(d.response_ids, e.response_ids)
+
+
+def test_samples_of_a_prompt_differ(model, engine):
+    out = engine.generate(random_prompts(2), 6, 12, seed=1)
+    responses = {tuple(out.response(k)) for k in range(6)}
+    assert len(responses) > 1
+
+
+def test_stop_tokens_and_length(model, engine):
+    prompts = random_prompts(4)
+    stops = (0, 5, 9, 17)
+    out = engine.generate(prompts, 5, 15, seed=2, stop_token_ids=stops)
+    check_layout(out, 4, 5, 15)
+    for k in range(out.num_responses):
+        r = out.response(k)
+        hits = [i for i, t in enumerate(r) if t in stops]
+        if out.finish_reasons[k] == FINISH_STOP:
+            assert hits == [len(r) - 1], "a stopped response must end at its first stop token"
+        else:
+            assert out.finish_reasons[k] == FINISH_LENGTH and len(r) == 15 and not hits
+    everything = engine.generate(prompts, 2, 15, seed=2, stop_token_ids=tuple(range(V)))
+    assert everything.lengths.tolist() == [1] * 8 and everything.finish_reasons == [FINISH_STOP] * 8
+    nothing = engine.generate(prompts, 2, 15, seed=2, stop_token_ids=())
+    assert nothing.lengths.tolist() == [15] * 8 and nothing.finish_reasons == [FINISH_LENGTH] * 8
+    single = engine.generate(prompts, 2, 15, seed=2, stop_token_ids=0)
+    assert single.num_responses == 8
+
+
+def test_groups_follow_their_prompts(model, engine):
+    # Prompts of very different lengths (1 .. 40) exercise the padded prefill cache.
+    prompts = [random_prompts(1, 1)[0], random_prompts(1, 40)[0] + [1] * 20, random_prompts(1, 3)[0]]
+    out = engine.generate(prompts, 3, 8, temperature=0.0)
+    check_layout(out, 3, 3, 8)
+    assert out.prompt_ids == prompts
+    # Greedy: the 3 samples of a prompt are identical, and equal a one-prompt run.
+    for g, p in enumerate(prompts):
+        alone = engine.generate([p], 1, 8, temperature=0.0)
+        for j in range(3):
+            assert out.response(g * 3 + j) == alone.response(0)
+
+
+def test_update_weights_switches_policy(model, engine):
+    prompts = random_prompts(3)
+    before = engine.generate(prompts, 1, 10, temperature=0.0)
+    other = tiny_model()
+    engine.update_weights(other)
+    after = engine.generate(prompts, 1, 10, temperature=0.0)
+    assert torch.equal(after.response_ids, naive_generate(other, prompts, 1, 10, temperature=0.0).response_ids)
+    # Shared weights: an in-place optimiser step is seen without a sync.
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    stepped = engine.generate(prompts, 1, 10, temperature=0.0)
+    assert torch.equal(stepped.response_ids, naive_generate(other, prompts, 1, 10, temperature=0.0).response_ids)
+    assert not (torch.equal(before.response_ids, after.response_ids)
+                and torch.equal(after.response_ids, stepped.response_ids))
+
+
+def test_bfloat16_model_log_probs_match_recomputation():
+    model = tiny_model().to(torch.bfloat16)
+    out = make_rollout(RolloutConfig(), model).generate(random_prompts(3), 2, 10, seed=4)
+    lp, *_ = recomputed_log_probs(model, out, 1.0)
+    # Same bf16 hidden states up to the decode attention's rounding.
+    assert (lp - out.log_probs).abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(prompt_ids=[]), ValueError, "at least one prompt"),
+    (dict(prompt_ids=[[1, 2], []]), ValueError, r"prompt_ids\[1\] is empty"),
+    (dict(prompt_ids=[[1] * 120]), ValueError, "max_model_len"),
+    (dict(n=0), ValueError, "n must be >= 1"),
+    (dict(n=2.0), TypeError, "n must be an int"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(prompt_ids=[[1, V]]), ValueError, "outside"),
+    (dict(prompt_ids=torch.ones(2, 3, dtype=torch.long)), TypeError, "list of lists"),
+    (dict(prompt_ids=[[1, 2.5]]), TypeError, r"prompt_ids\[0\]"),
+    (dict(seed="x"), TypeError, "seed"),
+], ids=["no-prompts", "empty-prompt", "too-long", "n0", "n-float", "max-new0", "neg-temp", "top-p0",
+        "bad-token", "tensor-prompts", "float-token", "seed-str"])
+def test_bad_input(engine, kwargs, err, match):
+    args = dict(prompt_ids=[[1, 2, 3]], n=2, max_new_tokens=10)
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        engine.generate(**args)
+
+
+def test_make_rollout_bad_config(model):
+    with pytest.raises(ValueError, match="rollout.name"):
+        make_rollout(RolloutConfig(name="sglang"), model)
+    with pytest.raises(TypeError, match="RolloutConfig"):
+        make_rollout({"name": "embedded"}, model)
+    with pytest.raises(TypeError, match="Transformer"):
+        make_rollout(RolloutConfig(), torch.nn.Linear(2, 2))
+
+    class TrainerConfig:
+        rollout = RolloutConfig(max_model_len=12)
+
+    eng = make_rollout(TrainerConfig(), model)
+    with pytest.raises(ValueError, match="max_model_len=12"):
+        eng.generate([[1] * 5], 1, 8)

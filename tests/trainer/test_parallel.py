@@ -31,7 +31,7 @@ from dapo_trainer.parallel import (
     tp_shard_dims,
     unshard,
 )
-from tests.helpers import cu_seqlens_from
+from tests.helpers import cu_seqlens_from, max_abs_err
 
 # Float32 equality bound set by the issue (max |parallel - single| / max |single|).
 RTOL = 1e-5
@@ -47,6 +47,8 @@ CONFIGS = {
                               mlp_bias=True),
 }
 SCENARIOS = ("tp2", "fsdp2", "ddp2")
+# bf16 compute over fp32 master weights (FSDP2 MixedPrecisionPolicy), one config.
+MIXED = ("qwen2-tied", "fsdp2-bf16")
 
 
 def _pack(ids_list, idx):
@@ -80,49 +82,51 @@ def _split_rows(t, cu, *, drop_last=False):
     return [t[a:b - drop_last] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
 
 
+def _run_scenario(name: str, scenario: str, ids_list, workdir: str, group) -> dict:
+    model = load_hf_model(os.path.join(workdir, name))
+    forward, dp_group, idx = model, None, list(range(len(ids_list)))
+    if scenario == "tp2":
+        parallelize(model, group)
+    elif scenario.startswith("fsdp2"):
+        dp_group = group
+        apply_fsdp(model, make_mesh("cpu", tp=1)["dp"],
+                   param_dtype=torch.bfloat16 if scenario == "fsdp2-bf16" else None)
+    else:
+        dp_group = group
+        forward = apply_ddp(model, group)
+    if scenario in ("tp2", "fsdp2"):
+        sd = full_state_dict(model)
+        if dist.get_rank() == 0:
+            save_hf_model(model, os.path.join(workdir, f"saved-{name}-{scenario}"), state_dict=sd)
+    if dp_group is not None:
+        # By token count for FSDP, by attention workload for DDP: both paths run.
+        idx = balanced_dp_split([len(s) for s in ids_list], dp_group,
+                                hidden_size=64 if scenario == "ddp2" else None)
+    ids, cu, max_seqlen = _pack(ids_list, idx)
+    logits, log_prob, loss_sum, count = run_step(model, ids, cu, max_seqlen, forward=forward, dp_group=dp_group)
+    totals = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
+    if dp_group is not None:
+        dist.all_reduce(totals, group=dp_group)
+    dims = tp_shard_dims(model)
+    grads = {n: unshard(p.grad, dims.get(n), model.tp_group) for n, p in model.named_parameters()}
+    return dict(idx=idx, logits=_split_rows(logits, cu), log_prob=_split_rows(log_prob, cu, drop_last=True),
+                loss=(totals[0] / totals[1]).item(), grads=grads,
+                master_dtypes={p.dtype for p in model.parameters()})
+
+
 def _worker(rank: int, port: int, workdir: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(backend_for_device("cpu"), rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     ids_list = torch.load(os.path.join(workdir, "inputs.pt"))
-    group = dist.group.WORLD
-    results = {}
-    for name in CONFIGS:
-        ckpt = os.path.join(workdir, name)
-        for scenario in SCENARIOS:
-            model = load_hf_model(ckpt)
-            forward, dp_group, idx = model, None, list(range(len(ids_list)))
-            if scenario == "tp2":
-                parallelize(model, group)
-            elif scenario == "fsdp2":
-                dp_group = group
-                apply_fsdp(model, make_mesh("cpu", tp=1)["dp"])
-            else:
-                dp_group = group
-                forward = apply_ddp(model, group)
-            if scenario != "ddp2":
-                sd = full_state_dict(model)
-                if rank == 0:
-                    save_hf_model(model, os.path.join(workdir, f"saved-{name}-{scenario}"), state_dict=sd)
-            if dp_group is not None:
-                idx = balanced_dp_split([len(s) for s in ids_list], dp_group)
-            ids, cu, max_seqlen = _pack(ids_list, idx)
-            logits, log_prob, loss_sum, count = run_step(model, ids, cu, max_seqlen, forward=forward,
-                                                         dp_group=dp_group)
-            totals = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
-            if dp_group is not None:
-                dist.all_reduce(totals, group=dp_group)
-            dims = tp_shard_dims(model)
-            grads = {n: unshard(p.grad, dims.get(n), model.tp_group) for n, p in model.named_parameters()}
-            results[(name, scenario)] = dict(
-                idx=idx, logits=_split_rows(logits, cu), log_prob=_split_rows(log_prob, cu, drop_last=True),
-                loss=(totals[0] / totals[1]).item(), grads=grads,
-            )
+    results = {(name, sc): _run_scenario(name, sc, ids_list, workdir, dist.group.WORLD)
+               for name in CONFIGS for sc in SCENARIOS}
+    results[MIXED] = _run_scenario(*MIXED, ids_list, workdir, dist.group.WORLD)
     # tp must divide the kv heads: a clear error, not a silent wrong split.
     bad = Transformer(ModelConfig(**{**_BASE, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32}))
     try:
-        parallelize(bad, group)
+        parallelize(bad, dist.group.WORLD)
         results["tp_error"] = None
     except ValueError as e:
         results["tp_error"] = str(e)
@@ -142,6 +146,29 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+def _reference(ckpt: str, ids_list, dtype) -> dict:
+    """The step on one process, all sequences packed together."""
+    model = load_hf_model(ckpt, dtype=dtype)
+    ids, cu, max_seqlen = _pack(ids_list, range(len(ids_list)))
+    logits, log_prob, loss_sum, count = run_step(model, ids, cu, max_seqlen)
+    return dict(model=model, logits=_split_rows(logits, cu), log_prob=_split_rows(log_prob, cu, drop_last=True),
+                loss=loss_sum.item() / count, grads={n: p.grad for n, p in model.named_parameters()})
+
+
+def _merge(per_rank, scenario):
+    """{sequence index: logits}, {sequence index: log-probs} over the ranks' results.
+
+    TP ranks each hold every sequence; DP ranks a disjoint balanced share.
+    """
+    logits, log_prob = {}, {}
+    for res in per_rank[:1] if scenario == "tp2" else per_rank:
+        for k, i in enumerate(res["idx"]):
+            assert i not in logits, f"{scenario}: sequence {i} trained on two DP ranks"
+            logits[i], log_prob[i] = res["logits"][k], res["log_prob"][k]
+    assert sorted(logits) == list(range(len(LENGTHS))), f"{scenario}: sequences lost: {sorted(logits)}"
+    return logits, log_prob
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_tp2_and_dp2_equal_one_process(tmp_path):
@@ -152,11 +179,8 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
     refs = {}
     for name, cfg in CONFIGS.items():
         save_hf_model(Transformer(cfg).init_weights(0.1), str(tmp_path / name))
-        model = load_hf_model(str(tmp_path / name))
-        ids, cu, max_seqlen = _pack(ids_list, range(len(ids_list)))
-        logits, log_prob, loss_sum, count = run_step(model, ids, cu, max_seqlen)
-        refs[name] = dict(model=model, logits=_split_rows(logits, cu),
-                          log_prob=_split_rows(log_prob, cu, drop_last=True), loss=loss_sum.item() / count, grads={n: p.grad for n, p in model.named_parameters()})
+        refs[name] = _reference(str(tmp_path / name), ids_list, torch.float32)
+    mixed_ref = _reference(str(tmp_path / MIXED[0]), ids_list, torch.bfloat16)
 
     mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
@@ -165,16 +189,10 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
     for name, ref in refs.items():
         for scenario in SCENARIOS:
             per_rank = [res[(name, scenario)] for res in ranks]
-            # TP ranks each hold every sequence; DP ranks a disjoint balanced share.
-            seqs = {}
-            for res in per_rank if scenario != "tp2" else per_rank[:1]:
-                for k, i in enumerate(res["idx"]):
-                    assert i not in seqs, f"{name}/{scenario}: sequence {i} trained on two DP ranks"
-                    seqs[i] = (res["logits"][k], res["log_prob"][k])
-            assert sorted(seqs) == list(range(len(LENGTHS))), f"{name}/{scenario}: sequences lost: {sorted(seqs)}"
+            logits, log_prob = _merge(per_rank, scenario)
             errs = {
-                "logits": max(rel_err(seqs[i][0], ref["logits"][i]) for i in seqs),
-                "log_prob": max(rel_err(seqs[i][1], ref["log_prob"][i]) for i in seqs),
+                "logits": max(rel_err(logits[i], ref["logits"][i]) for i in logits),
+                "log_prob": max(rel_err(log_prob[i], ref["log_prob"][i]) for i in log_prob),
                 "loss": max(abs(res["loss"] - ref["loss"]) / abs(ref["loss"]) for res in per_rank),
                 "grads": max(rel_err(res["grads"][n], g) for res in per_rank for n, g in ref["grads"].items()),
             }
@@ -183,8 +201,32 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
             if scenario != "ddp2":
                 saved = load_hf_model(str(tmp_path / f"saved-{name}-{scenario}")).state_dict()
                 errs["saved_ckpt"] = max(rel_err(saved[n], t) for n, t in ref["model"].state_dict().items())
-            table.append(f"{name:11s} {scenario:6s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+            table.append(f"{name:11s} {scenario:10s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
             failures += [f"{name}/{scenario}: {k} rel err {v:.2e} >= {RTOL}" for k, v in errs.items() if v >= RTOL]
+
+    # bf16 compute: FSDP2's error against the fp32 model may be at most 2x what plain
+    # bf16 costs (the single-process bf16 model), the project's tolerance rule.
+    name, scenario = MIXED
+    per_rank = [res[MIXED] for res in ranks]
+    ref, ref16 = refs[name], mixed_ref
+    logits, log_prob = _merge(per_rank, scenario)
+    pairs = [(f"logits[{i}]", logits[i], ref["logits"][i], ref16["logits"][i]) for i in logits]
+    pairs += [(f"log_prob[{i}]", log_prob[i], ref["log_prob"][i], ref16["log_prob"][i]) for i in log_prob]
+    pairs += [(f"grad {n}", res["grads"][n], g, ref16["grads"][n]) for res in per_rank for n, g in ref["grads"].items()]
+    worst = 0.0
+    for what, out, want, plain in pairs:
+        if want.numel() == 0:
+            continue
+        scale = want.double().abs().max().item()
+        bound = 2 * max(max_abs_err(plain, want), torch.finfo(out.dtype).eps * scale)
+        err = max_abs_err(out, want)
+        worst = max(worst, err / bound)
+        if err > bound:
+            failures.append(f"{name}/{scenario}: {what} error {err:.2e} > 2x plain bf16's ({bound:.2e})")
+    table.append(f"{name:11s} {scenario:10s} worst error / (2x plain bf16 error) = {worst:.2f}")
+    for res in per_rank:
+        if res["master_dtypes"] != {torch.float32}:
+            failures.append(f"{name}/{scenario}: master weights are {res['master_dtypes']}, expected float32")
     print("\n".join(["max relative error vs 1 process:"] + table))
     assert not failures, "\n".join(failures)
     for res in ranks:

@@ -107,3 +107,18 @@ def test_bad_resume_path_and_missing_model(tmp_path):
                                                        f"trainer.resume_from_path={tmp_path}/nope"]))
     with pytest.raises(ValueError, match="model.path"):
         DAPOTrainer(load_config(overrides=overrides + ["actor_rollout_ref.model.path=''"]))
+
+
+def test_kl_loss_epochs_seq_mode_fixed_micro_batches(tmp_path):
+    """The non-default paths: reference model + KL loss, 2 epochs, a seq-mean mode, fixed micro-batch size."""
+    overrides = micro_setup(str(tmp_path)) + [
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_files=[]",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+        "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.filter_groups.enable=false"]
+    m = DAPOTrainer(load_config(overrides=overrides)).fit()
+    assert m["actor/num_updates"] == 2
+    # Epoch 1 starts at the reference weights (KL 0), epoch 2 has moved away from them.
+    assert m["actor/kl_loss"] > 0 and "timing_s/ref" in m
+    assert m["train/keep_rate"] == 1.0 and m["train/num_gen_batches"] == 1

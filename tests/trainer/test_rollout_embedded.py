@@ -26,6 +26,16 @@ def random_prompts(b: int, max_len: int = 9, vocab: int = V) -> list:
     return [torch.randint(0, vocab, (int(torch.randint(1, max_len + 1, ())),)).tolist() for _ in range(b)]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls: a second OpenMP thread only adds synchronisation, and on a loaded
+    # machine waiting for it dominates (40 ms per 12x64 linear seen with 2 threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def model():
     return tiny_model()

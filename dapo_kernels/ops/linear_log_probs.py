@@ -92,7 +92,8 @@ def _linear_log_probs_fwd_kernel(
         m_v = o_v < V
         b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
         b_z = tl.where(m_v[None, :], b_z, float("-inf"))
-        b_tgt += tl.sum(tl.where(o_v[None, :] == b_lab[:, None], b_z, 0.0), axis=1)
+        # m_v too: a label of another rank's shard may point past this shard's end.
+        b_tgt += tl.sum(tl.where((o_v[None, :] == b_lab[:, None]) & m_v[None, :], b_z, 0.0), axis=1)
         b_new = tl.maximum(b_max, tl.max(b_z, axis=1))
         # A tile past the end of the vocab leaves the max at -inf; shift by 0 there.
         b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)

@@ -26,6 +26,11 @@ from dapo_kernels._validation import INT_DTYPES, check_cu_seqlens, check_int, ch
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def _npu():  # Ascend fused kernels (None outside their limits); imported only for NPU tensors
+    from npu_ops import model_ops
+    return model_ops
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a Llama / Qwen2 decoder (what ``config.json`` says).
@@ -113,6 +118,8 @@ def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtyp
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, heads, D]`` by position (the "rotate half" layout HF checkpoints use)."""
+    if x.device.type == "npu" and (y := _npu().rotary(x, cos, sin)) is not None:
+        return y
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -126,6 +133,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "npu" and (y := _npu().rms_norm(x, self.weight, self.eps)) is not None:
+            return y
         # Normalise in fp32 even for bf16 activations; scale after casting back, as the
         # checkpoints were trained.
         h = x.float()
@@ -163,7 +172,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if x.device.type == "npu" and (y := _npu().swiglu(gate, up)) is not None:
+            return self.down_proj(y)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -13,15 +13,13 @@ from .ops.policy_loss import policy_loss
 from .ops.varlen_attention import varlen_attention
 from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
-# Ascend NPU kernels on the ops' privateuseone key. Imports no torch_npu, so it is safe
-# everywhere and independent of import order (see npu_ops/__init__.py).
+# Importing npu_ops registers the Ascend NPU kernels on the ops' privateuseone key. It
+# imports no torch_npu, so it is safe everywhere and independent of import order.
 try:
-    import npu_ops as _npu_ops
+    import npu_ops  # noqa: F401
 except ModuleNotFoundError as _e:  # an install without the npu_ops package
     if _e.name != "npu_ops":
         raise
-else:
-    _npu_ops.register()
 
 __version__ = "0.1.0"
 

@@ -19,10 +19,11 @@ custom op                                      NPU kernel
 The model pieces of ``dapo_trainer`` (RMSNorm, RoPE, SwiGLU) are in
 :mod:`npu_ops.model_ops`, called by the model itself.
 
-Loading: ``import dapo_kernels`` calls :func:`register` (see ``dapo_kernels/__init__.py``).
-Registering touches only the dispatcher's ``PrivateUse1`` entries and imports no
-torch_npu, so it is done unconditionally; that makes the import order of
-``dapo_kernels`` and ``torch_npu`` irrelevant. ``torch_npu`` is imported by the first
+Loading: importing this package registers the kernels, and ``import dapo_kernels``
+imports it (see ``dapo_kernels/__init__.py``), so users do nothing. Registering touches
+only the dispatcher's ``PrivateUse1`` entries and imports no torch_npu, so it is done
+unconditionally; that makes the import order of ``dapo_kernels`` and ``torch_npu``
+irrelevant. ``torch_npu`` is imported by the first
 NPU kernel that needs it (:mod:`npu_ops._lazy`); without it an NPU op raises one
 ``RuntimeError`` line, and CPU / CUDA are never affected.
 """
@@ -62,8 +63,6 @@ def register(device_type: str = DEVICE_TYPE) -> None:
     suite routes CPU tensors through these kernels (with a fake torch_npu) in a
     subprocess to check the wiring end to end.
     """
-    import dapo_kernels  # noqa: F401  (defines the custom ops)
-
     for name, fn in kernels().items():
         torch.library.register_kernel(name, device_type, fn)
 
@@ -71,3 +70,8 @@ def register(device_type: str = DEVICE_TYPE) -> None:
 def registered() -> Dict[str, bool]:
     """{custom op name: whether a PrivateUse1 kernel is registered}, from the dispatcher."""
     return {name: torch._C._dispatch_has_kernel_for_dispatch_key(name, _DISPATCH_KEY) for name in kernels()}
+
+
+# At the end of the package's own import, whichever of dapo_kernels / npu_ops came first:
+# by now the dapo custom ops exist (the submodules above imported dapo_kernels).
+register()

@@ -1,0 +1,77 @@
+"""npu_ops.attention against the fake torch_npu: the TND call it builds gives the reference
+forward (out, lse) and backward (dq, dk, dv) when the op behaves as documented."""
+import math
+
+import pytest
+import torch
+
+from dapo_kernels.reference import varlen_attention_ref
+from npu_ops import attention
+from tests.helpers import assert_close_to_ref, case_id, cu_seqlens_from
+
+CASES = [  # lengths, Hq, Hkv, D, causal, dtype
+    ([5, 0, 9, 1], 4, 2, 16, True, torch.float32),
+    ([7, 3], 2, 2, 32, False, torch.float32),
+    ([0, 6, 4, 0], 4, 1, 16, True, torch.bfloat16),
+    ([8], 3, 1, 16, False, torch.float16),
+]
+
+
+def _inputs(lengths, Hq, Hkv, D, dtype):
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, D).to(dtype) for h in (Hq, Hkv, Hkv))
+    return q, k, v, cu_seqlens_from(lengths)
+
+
+@pytest.mark.parametrize("lengths,Hq,Hkv,D,causal,dtype", [
+    pytest.param(*c, id=case_id(B=len(c[0]), Hq=c[1], Hkv=c[2], D=c[3], causal=c[4], dtype=c[5])) for c in CASES])
+def test_forward_backward_match_reference(fake_npu, lengths, Hq, Hkv, D, causal, dtype):
+    q, k, v, cu = _inputs(lengths, Hq, Hkv, D, dtype)
+    scale = 0.7 / math.sqrt(D)
+    out, lse = attention.varlen_attention_fwd(q, k, v, cu, max(lengths), causal, scale)
+    dout = torch.randn_like(out)
+    dq, dk, dv = attention.varlen_attention_bwd(dout, q, k, v, out, lse, cu, max(lengths), causal, scale)
+
+    def ref(compute_dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+        o, l = varlen_attention_ref(*leaves, cu, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype)
+        grads = torch.autograd.grad(o, leaves, dout.to(compute_dtype))
+        return (o, l) + grads
+
+    ref64, low = ref(torch.float64), ref(dtype)
+    assert lse.dtype == torch.float32 and lse.shape == (Hq, q.shape[0])
+    for name, got, r, lo in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref64, low):
+        assert got.dtype == (torch.float32 if name == "lse" else dtype), name
+        assert_close_to_ref(got, r.to(got.dtype if name != "lse" else torch.float64).double(), lo, name=name,
+                            factor=4.0 if name == "lse" else 2.0)
+
+    (fwd_call,), (bwd_call,) = fake_npu.calls["npu_fusion_attention"], fake_npu.calls["npu_fusion_attention_grad"]
+    ends = [e for e in cu_seqlens_from(lengths)[1:].tolist() if e]
+    expected = dict(sparse_mode=3 if causal else 0, scale=scale)
+    assert fwd_call == dict(expected, lens=sorted(set(ends)))
+    assert bwd_call == expected
+
+
+def test_empty_batch_makes_no_call(fake_npu):
+    q = torch.empty(0, 2, 16)
+    out, lse = attention.varlen_attention_fwd(q, q, q, torch.zeros(3, dtype=torch.int32), 0, True, 0.25)
+    grads = attention.varlen_attention_bwd(q, q, q, q, out, lse, torch.zeros(3, dtype=torch.int32), 0, True, 0.25)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0) and all(g.shape == (0, 2, 16) for g in grads)
+    assert not fake_npu.calls
+
+
+def test_sequence_ends_are_read_once_per_tensor():
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    ends = attention.seq_ends(cu)
+    assert ends == [3, 7] and all(type(e) is int for e in ends)
+    assert attention.seq_ends(cu) is ends  # every layer reuses the host list
+    cu[2] = 5  # an in-place change bumps the version: read again
+    assert attention.seq_ends(cu) == [3, 5, 7]
+    assert attention.seq_ends(cu.clone()) is not attention.seq_ends(cu)
+
+
+def test_causal_mask_is_built_once_per_device():
+    mask = attention.causal_mask(torch.device("cpu"))
+    assert mask.shape == (2048, 2048) and mask.dtype == torch.bool
+    assert not mask[5, 5] and mask[5, 6] and not mask[6, 5]
+    assert attention.causal_mask(torch.device("cpu")) is mask

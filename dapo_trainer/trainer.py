@@ -21,7 +21,6 @@ is split over data-parallel ranks and, inside a DP rank, tensor parallel over
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 import time
@@ -159,18 +158,14 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ rollout + reward
     def _prompt_ids(self, rows_idx: List[int], rows: List[dict], cache: Optional[dict]) -> List[List[int]]:
+        """Templated, tokenised, length-checked prompts of ``rows[i] for i in rows_idx`` (memoised in ``cache``)."""
         d = self.cfg.data
-        out = []
+        cache = {} if cache is None else cache
         for i in rows_idx:
-            if cache is None or i not in cache:
+            if i not in cache:
                 text = data_mod.apply_template(rows[i]["prompt"], d.prompt_template)
-                ids = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation)
-                if cache is None:
-                    out.append(ids)
-                    continue
-                cache[i] = ids
-            out.append(cache[i])
-        return out
+                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation)
+        return [cache[i] for i in rows_idx]
 
     def _score(self, out, rows: List[dict]):
         """Rewards of every response: (score, acc, components) lists, response texts."""

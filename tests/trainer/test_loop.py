@@ -1,5 +1,4 @@
 """The DAPO loop end to end on a tiny random model: micro run, exhaustion error, kill-and-resume."""
-import json
 import os
 
 import pytest

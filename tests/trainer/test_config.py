@@ -91,6 +91,7 @@ def test_wrong_type_names_key(override, key):
     ("algorithm.filter_groups.metric=accuracy", "filter_groups.metric"),
     ("trainer.resume_mode=always", "resume_mode"),
     ("data.train_batch_size=0", "train_batch_size"),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100", "ppo_max_token_len_per_gpu"),
 ])
 def test_bad_value_names_key(override, key):
     with pytest.raises(ValueError, match=key):

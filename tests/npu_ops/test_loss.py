@@ -1,0 +1,106 @@
+"""npu_ops.loss (the NPU kernels of linear_log_probs / fused_linear_policy_loss) on CPU tensors:
+pure torch, so it runs here as it would on the NPU; checked against the float64 references
+with several token chunks per call."""
+import math
+
+import pytest
+import torch
+
+from dapo_kernels.ops.policy_loss import aggregation_weights
+from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
+from npu_ops import loss
+from tests.helpers import assert_close_to_ref, case_id
+
+N, H, V = 37, 24, 50
+CHUNK_ROWS = 8  # 5 chunks, the last one partial
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 4 * V * CHUNK_ROWS)
+
+
+def _inputs(dtype):
+    hidden = torch.randn(N, H).to(dtype)
+    weight = (torch.randn(V, H) * 2.0 / math.sqrt(H)).to(dtype)
+    return hidden, weight, torch.randint(0, V, (N,))
+
+
+def _ref_grads(fn, hidden, weight, compute_dtype):
+    """fn's outputs in compute_dtype and the gradients of sum(outputs_i * cot_i) w.r.t. (hidden, weight)."""
+    h, w = (t.detach().to(compute_dtype).requires_grad_() for t in (hidden, weight))
+    outs, cots = fn(h, w)
+    dh, dw = torch.autograd.grad(sum((o * c.to(o.dtype)).sum() for o, c in zip(outs, cots)), [h, w])
+    return [o.detach() for o in outs], dh, dw
+
+
+@pytest.mark.parametrize("dtype,temp", [(torch.float32, 0.7), (torch.bfloat16, 1.0)],
+                         ids=[case_id(dtype=torch.float32), case_id(dtype=torch.bfloat16)])
+def test_linear_log_probs_forward_backward(dtype, temp):
+    hidden, weight, labels = _inputs(dtype)
+    log_prob, ent, lse = loss.linear_log_probs(hidden, weight, labels, temp, True, 0, "")
+    g_lp, g_ent = torch.randn(N), torch.randn(N)
+    d_h, d_w = loss.linear_log_probs_bwd(hidden, weight, labels, lse, ent, g_lp, g_ent, temp, 0, "")
+    assert d_h.dtype == dtype and d_w.dtype == dtype
+
+    def fn(h, w):
+        return linear_log_probs_ref(h, w, labels, temp), (g_lp, g_ent)
+
+    ref64, low = _ref_grads(fn, hidden, weight, torch.float64), _ref_grads(fn, hidden, weight, torch.float32)
+    assert_close_to_ref(log_prob, ref64[0][0], low[0][0], name="log_prob")
+    assert_close_to_ref(ent, ref64[0][1], low[0][1], name="entropy")
+    # dH/dW are rounded to the inputs' dtype: compare in that dtype's terms.
+    assert_close_to_ref(d_h, ref64[1], low[1].to(dtype), name="dH")
+    assert_close_to_ref(d_w, ref64[2], low[2].to(dtype), name="dW")
+
+
+def test_linear_log_probs_without_entropy_and_vocab_shard():
+    """A vocab shard [vocab_start, vocab_start + V): labels outside it give no target logit."""
+    hidden, weight, labels = _inputs(torch.float32)
+    lp_sh, ent_sh, lse_sh = loss.linear_log_probs(hidden, weight[20:], labels, 1.0, False, 20, "")
+    full_lp, _, full_lse = loss.linear_log_probs(hidden, weight, labels, 1.0, False, 0, "")
+    assert torch.equal(ent_sh, torch.zeros(N))
+    shard_lse = torch.logsumexp(hidden @ weight[20:].t(), -1)
+    torch.testing.assert_close(lse_sh, shard_lse, rtol=1e-5, atol=1e-5)
+    inside = labels >= 20
+    torch.testing.assert_close(lp_sh[inside], (full_lp + full_lse - shard_lse)[inside], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ent_coef,kl_coef", [(0.0, 0.0), (0.01, 0.1)], ids=["pg", "pg-ent-kl"])
+def test_fused_linear_policy_loss(ent_coef, kl_coef):
+    hidden, weight, labels = _inputs(torch.float32)
+    old = -torch.rand(N) * 3
+    adv, ref = torch.randn(N), -torch.rand(N) * 3
+    mask = torch.rand(N) > 0.2
+    clips = (0.2, 0.28, 3.0)
+    w = aggregation_weights(mask, "token-mean")
+    tokens = [old, adv, mask, w, ref if kl_coef else old.new_zeros(0)]
+    params = [0.9, *clips, ent_coef, kl_coef]
+    sums, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(
+        hidden, weight, labels, tokens, params, "low_var_kl", 0, "", bool(ent_coef), True)
+    assert sums.dtype == torch.float64 and sums.shape == (8,)
+
+    def fn(h, w_):
+        out = fused_linear_policy_loss_ref(h, w_, labels, old, adv, mask, temperature=0.9, clip_ratio_low=clips[0],
+                                           clip_ratio_high=clips[1], clip_ratio_c=clips[2], entropy_coeff=ent_coef,
+                                           ref_log_prob=ref, kl_coef=kl_coef)
+        return (out[0], out[2], out[3]), (torch.ones(()), torch.zeros(N), torch.zeros(N))
+
+    ref64, low = _ref_grads(fn, hidden, weight, torch.float64), _ref_grads(fn, hidden, weight, torch.float32)
+    assert_close_to_ref(sums[0], ref64[0][0], low[0][0], name="loss")
+    assert_close_to_ref(log_prob, ref64[0][1], low[0][1], name="log_prob")
+    if ent_coef:
+        assert_close_to_ref(ent, ref64[0][2], low[0][2], name="entropy")
+    assert_close_to_ref(d_h, ref64[1], low[1], name="dH")
+    assert_close_to_ref(d_w, ref64[2], low[2], name="dW")
+    assert sums[5].item() == mask.sum().item()  # token count
+
+
+def test_fused_without_grad_or_tokens():
+    hidden, weight, labels = _inputs(torch.float32)
+    mask = torch.zeros(0, dtype=torch.bool)
+    tokens = [torch.zeros(0), torch.zeros(0), mask, aggregation_weights(mask, "token-mean"), torch.zeros(0)]
+    sums, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(
+        hidden[:0], weight, labels[:0], tokens, [1.0, 0.2, 0.28, 3.0, 0.0, 0.0], "low_var_kl", 0, "", False, False)
+    assert torch.equal(sums, torch.zeros(8, dtype=torch.float64))
+    assert log_prob.shape == (0,) and d_h.shape == (0, H) and d_w.shape == (0, H)

@@ -1,0 +1,89 @@
+"""How npu_ops is wired in: a privateuseone kernel on every dapo custom op, the torch-path
+kernels, model_ops off the NPU, and the lazy torch_npu import (missing / broken)."""
+import sys
+
+import pytest
+import torch
+
+import dapo_kernels as dk  # noqa: F401  (defines the custom ops, imports npu_ops)
+import npu_ops
+from dapo_kernels import _registry
+from npu_ops import _lazy, attention, generic, model_ops
+
+
+def test_every_dapo_custom_op_has_a_privateuseone_kernel():
+    dapo_ops = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("dapo::")}
+    assert dapo_ops == set(npu_ops.kernels()), "a dapo custom op without an NPU kernel, or a stale entry"
+    assert all(npu_ops.registered().values())
+
+
+def test_torch_path_kernels_ignore_a_forced_triton_backend(monkeypatch):
+    """On NPU the generic ops must run their torch code even under DAPO_KERNELS_BACKEND=triton."""
+    for name in generic.TORCH_PATH_OPS:
+        def refuse(*args, _name=name):
+            raise AssertionError(f"{_name}: the Triton kernel ran on the NPU path")
+        monkeypatch.setitem(_registry._impls[name], "triton", refuse)
+    x = torch.randn(6, 3)
+    idx = torch.tensor([4, 0, 2])
+    lp, old, adv = torch.randn(3, 5).unbind(0)
+    mask = torch.tensor([True, False, True, True, True])
+    w = torch.full((1,), 0.25, dtype=torch.float64)
+    cases = {
+        "index_rows": (x, idx),
+        "scatter_rows": (x[:3], idx, 6),
+        "packed_position_ids": (torch.tensor([0, 2, 5], dtype=torch.int32), 5),
+        "overlong_penalty": (torch.tensor([3, 9, 12]), 8.0, 4.0, 1.0),
+        "policy_loss_sums": (lp, old, adv, mask, w, 0.2, 0.28, 3.0),
+        "policy_loss_grad": (torch.ones((), dtype=torch.float64), lp, old, adv, mask, w, 0.2, 0.28, 3.0),
+    }
+    kernels = npu_ops.kernels()
+    with dk.use_backend("triton"):
+        got = {name: kernels[f"dapo::{name}"](*args) for name, args in cases.items()}
+    with dk.use_backend("torch"):
+        for name, args in cases.items():
+            torch.testing.assert_close(got[name], getattr(torch.ops.dapo, name)(*args), rtol=0, atol=0)
+
+
+def test_model_ops_leave_cpu_tensors_to_the_model():
+    x = torch.randn(4, 2, 8)
+    assert model_ops.rms_norm(x, torch.ones(8), 1e-6) is None
+    assert model_ops.rotary(x, torch.ones(4, 8), torch.zeros(4, 8)) is None
+    assert model_ops.swiglu(x, x) is None
+
+
+def _call_npu_kernel():
+    q = torch.randn(3, 2, 16)
+    attention.varlen_attention_fwd(q, q, q, torch.tensor([0, 3], dtype=torch.int32), 3, True, 0.25)
+
+
+def test_missing_torch_npu_raises_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # "import torch_npu" raises ImportError
+    _lazy.reset()
+    with pytest.raises(RuntimeError) as exc:
+        _call_npu_kernel()
+    msg = str(exc.value)
+    assert "\n" not in msg and "torch_npu" in msg and "ModuleNotFoundError" in msg and "CPU and CUDA" in msg
+    _lazy.reset()
+
+
+def test_broken_torch_npu_raises_one_line_and_is_tried_once(monkeypatch, tmp_path):
+    """torch_npu without the CANN libraries fails inside its import (here with OSError)."""
+    pkg = tmp_path / "torch_npu"
+    pkg.mkdir()
+    attempts = tmp_path / "attempts"
+    (pkg / "__init__.py").write_text(
+        f"open({str(attempts)!r}, 'a').write('x')\n"
+        "raise OSError('libascendcl.so: cannot open shared object file: No such file or directory')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    _lazy.reset()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"OSError: libascendcl\.so") as exc:
+            _call_npu_kernel()
+        assert "\n" not in str(exc.value)
+    assert attempts.read_text() == "x"
+    assert "torch_npu" not in sys.modules
+    # CPU ops are untouched by the failed import.
+    q = torch.randn(3, 2, 16)
+    assert dk.varlen_attention(q, q, q, torch.tensor([0, 3], dtype=torch.int32), 3).shape == q.shape
+    _lazy.reset()

@@ -89,6 +89,21 @@ class DynamicBatchAccumulator:
         self._all_wrong = 0
         self._carried_in = carried_in
 
+    def state_dict(self) -> Dict[str, object]:
+        """Buffered (carried-over) groups and counters, for checkpoints (tensors stay on device)."""
+        return {"chunks": [dict(c) for c in self._chunks], "keys": self._keys,
+                "num_buffered_groups": self.num_buffered_groups, "carried_in": self._carried_in}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` saved; the step being accumulated starts afresh."""
+        missing = {"chunks", "keys", "num_buffered_groups", "carried_in"} - set(state)
+        if missing:
+            raise ValueError(f"accumulator state is missing {sorted(missing)}")
+        self._chunks = [dict(c) for c in state["chunks"]]
+        self._keys = tuple(state["keys"]) if state["keys"] is not None else None
+        self.num_buffered_groups = int(state["num_buffered_groups"])
+        self._reset_step(carried_in=int(state["carried_in"]))
+
     @property
     def ready(self) -> bool:
         """True once at least ``train_batch_size`` kept groups are buffered."""

@@ -50,18 +50,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# The accumulator keeps its buffered groups in private fields; checkpoints read and
-# restore exactly those (between steps only the carried-over groups are buffered).
 def accumulator_state(acc) -> dict:
-    return {"chunks": acc._chunks, "keys": acc._keys, "num_buffered_groups": acc.num_buffered_groups,
-            "carried_in": acc._carried_in}
+    return acc.state_dict()
 
 
 def load_accumulator_state(acc, state: dict) -> None:
-    acc._chunks = state["chunks"]
-    acc._keys = state["keys"]
-    acc.num_buffered_groups = state["num_buffered_groups"]
-    acc._reset_step(carried_in=state["carried_in"])
+    acc.load_state_dict(state)
 
 
 def _atomic_torch_save(obj, path: str) -> None:

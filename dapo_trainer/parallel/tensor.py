@@ -100,30 +100,37 @@ def _shard(t: Optional[torch.Tensor], dim: int, group) -> Optional[nn.Parameter]
     return nn.Parameter(t.detach().chunk(n, dim=dim)[r].clone(), requires_grad=t.requires_grad)
 
 
-class ColumnParallelLinear(nn.Module):
+class _Sharded(nn.Module):
+    """A module whose ``weight`` is this rank's slice along ``shard_dim`` over ``group``."""
+
+    shard_dim: int
+
+    def __init__(self, module: nn.Module, group):
+        super().__init__()
+        self.group = group
+        self.weight = _shard(module.weight, self.shard_dim, group)
+
+
+class ColumnParallelLinear(_Sharded):
     """``y_r = x W_r^T + b_r``: this rank's slice of the output features."""
 
     shard_dim = 0
 
     def __init__(self, linear: nn.Linear, group):
-        super().__init__()
-        self.group = group
-        self.weight = _shard(linear.weight, 0, group)
+        super().__init__(linear, group)
         self.bias = _shard(linear.bias, 0, group)
 
     def forward(self, x):
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Sharded):
     """``y = sum_r x_r W_r^T + b``: input features sharded, output replicated."""
 
     shard_dim = 1
 
     def __init__(self, linear: nn.Linear, group):
-        super().__init__()
-        self.group = group
-        self.weight = _shard(linear.weight, 1, group)
+        super().__init__(linear, group)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x):
@@ -131,15 +138,13 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_Sharded):
     """Embedding whose rows ``[start, start + V/tp)`` live on this rank; ids elsewhere give 0."""
 
     shard_dim = 0
 
     def __init__(self, embedding: nn.Embedding, group):
-        super().__init__()
-        self.group = group
-        self.weight = _shard(embedding.weight, 0, group)
+        super().__init__(embedding, group)
         self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
 
     def forward(self, ids):
@@ -191,10 +196,9 @@ def tp_shard_dims(model: Transformer) -> dict:
     """{parameter name: dim it is sharded along over ``model.tp_group``}; absent = replicated."""
     dims = {}
     for mod_name, mod in model.named_modules():
-        dim = getattr(mod, "shard_dim", None)
-        if dim is None:
+        if not isinstance(mod, _Sharded):
             continue
-        dims[f"{mod_name}.weight"] = dim
+        dims[f"{mod_name}.weight"] = mod.shard_dim
         if isinstance(mod, ColumnParallelLinear) and mod.bias is not None:
             dims[f"{mod_name}.bias"] = 0
     if model.tp_group is not None:

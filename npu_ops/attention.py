@@ -22,17 +22,21 @@ How the call is built, from the torch_npu API reference of ``npu_fusion_attentio
 * ``scale`` is passed explicitly: its default is 1, not ``1/sqrt(D)``.
 * ``softmax_max`` / ``softmax_sum`` come back as ``[T, Hq, 8]`` fp32 (8 equal copies per
   row; shape as documented for ``npu_ring_attention_update``'s TND inputs), from which
-  ``lse = max + log(sum)``. The backward gets the statistics back as ``max = lse``,
-  ``sum = 1``: the kernel forms ``p = exp(s - max) / sum``, which is then
+  ``lse = max + log(sum)``, returned in the unit the op's other backends use (see
+  :func:`lse_unit`). The backward gets the statistics back as ``max = lse``, ``sum = 1``: the kernel forms ``p = exp(s - max) / sum``, which is then
   ``exp(s - lse)``, the same probabilities (MindSpeed's ring attention likewise hands the
   grad kernel merged statistics that are not the forward's own).
 """
 from __future__ import annotations
 
+import functools
+import math
 import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from dapo_kernels._registry import dispatch, use_backend
 
 from ._lazy import torch_npu
 
@@ -71,6 +75,21 @@ def seq_ends(cu_seqlens: torch.Tensor) -> List[int]:
     return ends
 
 
+@functools.lru_cache(maxsize=None)
+def lse_unit() -> float:
+    """The op's lse per natural-log unit: 1.0, or 1/ln 2 if the op carries lse in base 2.
+
+    That unit is a private contract between ``varlen_attention``'s forward, backward and
+    public wrapper, so it is measured once from the torch path rather than hard-coded:
+    zero q, k, v over two keys give ``lse = ln 2`` in natural units.
+    """
+    z = torch.zeros(2, 1, 16)
+    with use_backend("torch"):
+        _, lse = dispatch("varlen_attention_fwd", z.device)(z, z, z, torch.tensor([0, 2], dtype=torch.int32), 2,
+                                                            False, 1.0)
+    return float(lse[0, 0]) / math.log(2)
+
+
 def _call_args(cu_seqlens: torch.Tensor, causal: bool, device: torch.device) -> dict:
     ends = seq_ends(cu_seqlens)
     return dict(
@@ -83,7 +102,7 @@ def _call_args(cu_seqlens: torch.Tensor, causal: bool, device: torch.device) -> 
 
 
 def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
-    """``(out [T, Hq, D], lse fp32 [Hq, T])`` via ``npu_fusion_attention``."""
+    """``(out [T, Hq, D], lse fp32 [Hq, T] in the op's unit)`` via ``npu_fusion_attention``."""
     T, Hq, _ = q.shape
     if T == 0:
         return torch.empty_like(q), q.new_empty((Hq, 0), dtype=torch.float32)
@@ -91,7 +110,7 @@ def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
         q, k, v, Hq, "TND", scale=softmax_scale, **_call_args(cu_seqlens, causal, q.device),
     )[:3]
     lse = s_max[..., 0] + torch.log(s_sum[..., 0])
-    return out, lse.t().contiguous()
+    return out, (lse.t() * lse_unit()).contiguous()
 
 
 def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
@@ -99,7 +118,7 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal
     T, Hq, _ = q.shape
     if T == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    s_max = lse.t().unsqueeze(-1).expand(T, Hq, STAT_COPIES).contiguous()
+    s_max = (lse.t() / lse_unit()).unsqueeze(-1).expand(T, Hq, STAT_COPIES).contiguous()
     dq, dk, dv = torch_npu().npu_fusion_attention_grad(
         q, k, v, dout, Hq, "TND", softmax_max=s_max, softmax_sum=torch.ones_like(s_max), attention_in=out,
         scale_value=softmax_scale, **_call_args(cu_seqlens, causal, q.device),

@@ -1,0 +1,238 @@
+"""varlen_attention: both backends against a float64 per-sequence softmax reference.
+
+The Triton kernels run interpreted on the CPU, so shapes are tiny (T <= ~110) and the
+matrix is spread rather than crossed: every head dim, GQA ratio, dtype, causal flag and
+length pattern (empty and length-1 sequences, one long + many short) appears, with the
+interpreter's 32-row outer / 16-row inner blocks making sequences span several blocks,
+partial ones included.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dapo_kernels as dk
+from dapo_kernels.ops.varlen_attention import SUPPORTED_HEAD_DIMS, _work_list
+from dapo_kernels.reference import varlen_attention_ref
+from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
+
+FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _lengths(kind: str) -> list:
+    """Sequence lengths of a packed batch, shuffled, always with an empty and a length-1 one."""
+    if kind == "mixed":       # a few medium sequences, partial blocks
+        lengths = [random.randint(2, 40) for _ in range(3)] + [0, 1]
+    elif kind == "longshort":  # one long sequence over several blocks + many short ones
+        lengths = [random.randint(60, 75)] + [random.randint(0, 5) for _ in range(6)] + [0, 1]
+    elif kind == "tiny":      # only empty and very short sequences
+        lengths = [1, 0, 1, 2, 0, 1]
+    else:
+        raise ValueError(kind)
+    random.shuffle(lengths)
+    return lengths
+
+
+# (D, Hq, Hkv, causal, dtype, lengths): each axis value appears at least once.
+CASES = [
+    (16, 2, 2, True, FP32, "mixed"),
+    (32, 4, 2, True, BF16, "longshort"),
+    (32, 8, 1, False, BF16, "tiny"),
+    (64, 4, 1, False, FP16, "mixed"),
+    (64, 2, 2, True, BF16, "longshort"),
+    (96, 8, 1, True, BF16, "mixed"),
+    (96, 4, 2, False, FP32, "longshort"),
+    (128, 2, 2, False, BF16, "longshort"),
+    (128, 4, 1, True, FP32, "mixed"),
+    (128, 2, 1, True, FP16, "tiny"),
+    (256, 2, 1, True, FP16, "mixed"),
+    (256, 2, 2, False, BF16, "longshort"),
+]
+assert {c[0] for c in CASES} == set(SUPPORTED_HEAD_DIMS)
+assert {c[1] // c[2] for c in CASES} == {1, 2, 4, 8}
+
+
+def _inputs(lengths, D, Hq, Hkv, dtype):
+    cu = cu_seqlens_from(lengths)
+    T = int(cu[-1])
+    q, k, v = (torch.randn(T, h, D, dtype=dtype).requires_grad_() for h in (Hq, Hkv, Hkv))
+    return q, k, v, cu
+
+
+def _run(impl, q, k, v, cu, max_seqlen, causal, scale):
+    with backend(impl):
+        out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True)
+        dout = torch.randn_like(out)
+        grads = _grads(out, q, k, v, dout)
+    return out, lse, grads, dout
+
+
+def _grads(out, q, k, v, dout):
+    return torch.autograd.grad(out, (q, k, v), dout.to(out.dtype)) if out.numel() else (q * 0, k * 0, v * 0)
+
+
+def _ref(q, k, v, cu, causal, scale, dout, compute_dtype):
+    """(out, lse, dq, dk, dv) of the plain softmax reference in ``compute_dtype``."""
+    out, lse = varlen_attention_ref(q, k, v, cu, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype)
+    return (out, lse) + _grads(out, q, k, v, dout)
+
+
+def _sdpa_padded(q, k, v, cu, causal, scale, dout):
+    """(out, dq, dk, dv) of torch's fused SDPA on the zero-padded [B, H, S, D] batch with a
+    key-padding (and causal) mask, in the inputs' dtype: what a torch user runs."""
+    spans = [(s, e) for s, e in zip(cu.tolist()[:-1], cu.tolist()[1:]) if e > s]
+    if not spans:
+        out = q * 0
+        return (out,) + _grads(out, q, k, v, dout)
+    S = max(e - s for s, e in spans)
+    padded = []
+    for t in (q, k, v):
+        p = t.new_zeros((len(spans), t.shape[1], S, t.shape[2]))
+        for i, (s, e) in enumerate(spans):
+            p[i, :, : e - s] = t[s:e].transpose(0, 1)
+        padded.append(p)
+    pos = torch.arange(S)
+    mask = (pos[None, :] < torch.tensor([e - s for s, e in spans])[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (pos[None, :] <= pos[:, None])
+    o = F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = torch.cat([o[i, :, : e - s].transpose(0, 1) for i, (s, e) in enumerate(spans)])
+    return (out,) + _grads(out, q, k, v, dout)
+
+
+def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64):
+    """Plain torch in the inputs' dtype, for the tolerance: per quantity, the less accurate
+    of torch's two ways (naive softmax attention, flash-attn's test convention; fused SDPA
+    on the padded batch, whose CPU kernel approximates exp in fp32). SDPA has no lse, so
+    lse is naive only."""
+    naive = _ref(q, k, v, cu, causal, scale, dout, q.dtype)
+    sdpa = _sdpa_padded(q, k, v, cu, causal, scale, dout)
+    worse = [max(a, b, key=lambda t, r=r: max_abs_err(t, r)) for a, b, r in zip(naive[:1] + naive[2:], sdpa,
+                                                                                 ref64[:1] + ref64[2:])]
+    return (worse[0], naive[1]) + tuple(worse[1:])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "D,Hq,Hkv,causal,dtype,kind", CASES,
+    ids=[case_id(D=c[0], Hq=c[1], Hkv=c[2], causal=c[3], dtype=c[4], L=c[5]) for c in CASES],
+)
+def test_matches_reference(impl, D, Hq, Hkv, causal, dtype, kind):
+    lengths = _lengths(kind)
+    q, k, v, cu = _inputs(lengths, D, Hq, Hkv, dtype)
+    # Every other case uses a non-default scale and a loose max_seqlen upper bound.
+    scale = None if D in (16, 64, 128) else 0.7 / D ** 0.5
+    out, lse, grads, dout = _run(impl, q, k, v, cu, max(lengths) + (D % 3), causal, scale)
+    ref = _ref(q, k, v, cu, causal, scale, dout, torch.float64)
+    low = _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (Hq, q.shape[0])
+    assert_close_to_ref(out, ref[0], low[0], name="out")
+    assert_close_to_ref(lse, ref[1], low[1].float(), name="lse")
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
+        assert g.dtype == dtype
+        assert_close_to_ref(g, r, t, name=name)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nocausal"])
+def test_no_tokens(impl, causal):
+    """T = 0 (with and without empty sequences) gives empty outputs and gradients."""
+    for lengths in ([], [0, 0]):
+        q, k, v, cu = _inputs(lengths, 64, 4, 2, BF16)
+        with backend(impl):
+            out, lse = dk.varlen_attention(q, k, v, cu, 0, causal=causal, return_lse=True)
+            out.sum().backward()
+        assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_triton_backward_is_deterministic():
+    q, k, v, cu = _inputs([37, 1, 0, 20], 32, 4, 1, BF16)
+    out, _, grads, dout = _run("triton", q, k, v, cu, 37, True, None)
+    with backend("triton"):
+        again = torch.autograd.grad(dk.varlen_attention(q, k, v, cu, 37), (q, k, v), dout)
+    for g, h in zip(grads, again):
+        assert torch.equal(g, h)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nocausal"])
+@pytest.mark.parametrize("per_key", [False, True], ids=["queryblocks", "keyblocks"])
+def test_work_list_covers_every_block_once_longest_first(causal, per_key):
+    lengths = [0, 70, 1, 33, 0, 64, 5]
+    cu = cu_seqlens_from(lengths)
+    block = 16
+    work = _work_list(cu, int(cu[-1]), block, causal, per_key)
+    real = work[work[:, 0] >= 0].tolist()
+    expected = {(b, i) for b, L in enumerate(lengths) for i in range(-(-L // block))}
+    assert len(real) == len(expected) and set(map(tuple, real)) == expected
+    assert (work[len(real):, 0] == -1).all(), "padding entries must come last"
+    nblk = [-(-L // block) for L in lengths]
+    if causal:
+        cost = [nblk[b] - i if per_key else i + 1 for b, i in real]
+    else:
+        cost = [nblk[b] for b, _ in real]
+    assert cost == sorted(cost, reverse=True)
+
+
+def test_matches_padded_sdpa():
+    """The flash-attn contract seen from another angle: equal-length sequences equal
+    torch's SDPA on the [B, S] view (GQA through enable_gqa)."""
+    B, S, Hq, Hkv, D = 3, 20, 4, 2, 64
+    q, k, v, cu = _inputs([S] * B, D, Hq, Hkv, FP32)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.detach().reshape(B, S, -1, D).transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+    ).transpose(1, 2).reshape(B * S, Hq, D)
+    for impl in ("torch", "triton"):
+        with backend(impl):
+            got = dk.varlen_attention(q, k, v, cu, S)
+        torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- bad input
+def _good():
+    q, k, v, cu = _inputs([3, 0, 2], 32, 4, 2, BF16)
+    return dict(q=q.detach(), k=k.detach(), v=v.detach(), cu_seqlens=cu, max_seqlen=3)
+
+
+def _call(args):
+    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse") if n in args}
+    return dk.varlen_attention(args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"], **kw)
+
+
+BAD = [
+    ("cu-start", lambda g: dict(cu_seqlens=torch.tensor([1, 3, 3, 5], dtype=torch.int32)), ValueError, r"cu_seqlens\[0\]"),
+    ("cu-decreasing", lambda g: dict(cu_seqlens=torch.tensor([0, 3, 2, 5], dtype=torch.int32)), ValueError,
+     "non-decreasing"),
+    ("cu-last", lambda g: dict(cu_seqlens=torch.tensor([0, 3, 3, 4], dtype=torch.int32)), ValueError, r"cu_seqlens\[-1\]"),
+    ("cu-dtype", lambda g: dict(cu_seqlens=g["cu_seqlens"].float()), ValueError, "cu_seqlens must have dtype"),
+    ("cu-2d", lambda g: dict(cu_seqlens=g["cu_seqlens"][None]), ValueError, "cu_seqlens must be 1-D"),
+    ("heads", lambda g: dict(q=torch.randn(5, 3, 32, dtype=BF16)), ValueError, "multiple of the KV heads"),
+    ("head-dim", lambda g: dict(q=torch.randn(5, 4, 48, dtype=BF16), k=torch.randn(5, 2, 48, dtype=BF16),
+                                v=torch.randn(5, 2, 48, dtype=BF16)), ValueError, "head dim D must be one of"),
+    ("q-dtype", lambda g: dict(q=g["q"].double()), ValueError, "q must have dtype"),
+    ("kv-dtype", lambda g: dict(v=g["v"].half()), ValueError, "v must have dtype"),
+    ("kv-shape", lambda g: dict(v=g["v"][:, :1]), ValueError, "v must have shape"),
+    ("tokens", lambda g: dict(k=g["k"][:4], v=g["v"][:4]), ValueError, r"k must have shape \[T, Hkv, D\]"),
+    ("q-ndim", lambda g: dict(q=g["q"][0]), ValueError, "q must be 3-D"),
+    ("q-type", lambda g: dict(q=g["q"].tolist()), TypeError, "q must be a torch.Tensor"),
+    ("max-seqlen-type", lambda g: dict(max_seqlen=3.0), TypeError, "max_seqlen must be an int"),
+    ("causal-type", lambda g: dict(causal=1), TypeError, "causal must be a bool"),
+    ("scale", lambda g: dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a finite positive"),
+    ("scale-type", lambda g: dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
+]
+
+
+@pytest.mark.parametrize("over,exc,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_raises(over, exc, match):
+    good = _good()
+    with pytest.raises(exc, match=match):
+        _call({**good, **over(good)})
+
+
+def test_int64_cu_seqlens_accepted():
+    good = _good()
+    want = _call(dict(good))
+    torch.testing.assert_close(_call({**good, "cu_seqlens": good["cu_seqlens"].long()}), want, rtol=0, atol=0)

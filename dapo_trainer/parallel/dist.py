@@ -8,6 +8,16 @@ import torch
 import torch.distributed as dist
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# The variable that restricts which accelerators a process sees (set per process by launchers).
+VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def visible_devices_env(device) -> str:
+    """'CUDA_VISIBLE_DEVICES' for cuda, 'ASCEND_RT_VISIBLE_DEVICES' for npu (Ascend)."""
+    dev_type = str(device).split(":")[0]
+    if dev_type not in VISIBLE_DEVICES_ENV:
+        raise ValueError(f"device: no visible-devices variable for {dev_type!r} (known: {sorted(VISIBLE_DEVICES_ENV)})")
+    return VISIBLE_DEVICES_ENV[dev_type]
 
 
 def backend_for_device(device) -> str:
@@ -28,6 +38,9 @@ def init_distributed(device, *, timeout_s: Optional[float] = None) -> torch.devi
     ``LOCAL_RANK``'s device. Returns the device this rank computes on. A no-op when
     the group already exists.
     """
+    if str(device).startswith("npu"):  # "npu" is a device name only once torch_npu is imported
+        from npu_ops._lazy import torch_npu
+        torch_npu()
     device = torch.device(device)
     if device.type != "cpu" and device.index is None:
         device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", 0)))

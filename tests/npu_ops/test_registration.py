@@ -87,3 +87,16 @@ def test_broken_torch_npu_raises_one_line_and_is_tried_once(monkeypatch, tmp_pat
     q = torch.randn(3, 2, 16)
     assert dk.varlen_attention(q, q, q, torch.tensor([0, 3], dtype=torch.int32), 3).shape == q.shape
     _lazy.reset()
+
+
+def test_trainer_device_helpers(monkeypatch):
+    from dapo_trainer.parallel.dist import backend_for_device, init_distributed, visible_devices_env
+
+    assert visible_devices_env("npu:1") == "ASCEND_RT_VISIBLE_DEVICES"
+    assert visible_devices_env("cuda") == "CUDA_VISIBLE_DEVICES"
+    assert backend_for_device("privateuseone") == "hccl"
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    _lazy.reset()
+    with pytest.raises(RuntimeError, match="need torch_npu"):
+        init_distributed("npu")
+    _lazy.reset()

@@ -23,9 +23,9 @@ Loading: importing this package registers the kernels, and ``import dapo_kernels
 imports it (see ``dapo_kernels/__init__.py``), so users do nothing. Registering touches
 only the dispatcher's ``PrivateUse1`` entries and imports no torch_npu, so it is done
 unconditionally; that makes the import order of ``dapo_kernels`` and ``torch_npu``
-irrelevant. ``torch_npu`` is imported by the first
-NPU kernel that needs it (:mod:`npu_ops._lazy`); without it an NPU op raises one
-``RuntimeError`` line, and CPU / CUDA are never affected.
+irrelevant. ``torch_npu`` is imported by the first NPU kernel that needs it
+(:mod:`npu_ops._lazy`); without it an NPU op raises one ``RuntimeError`` line, and CPU /
+CUDA are never affected.
 """
 from __future__ import annotations
 

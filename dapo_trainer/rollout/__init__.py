@@ -10,6 +10,8 @@
 ``out`` is a :class:`RolloutOutput` (packed responses, log-probs, group index); the
 log-prob convention is in :mod:`.base`.
 """
+from dataclasses import fields
+
 from .base import FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput
 from .embedded import EmbeddedRollout, naive_generate
 
@@ -20,14 +22,19 @@ def make_rollout(config, model) -> RolloutEngine:
     """Build the engine named by the config, for ``model`` (a dapo_trainer ``Transformer``).
 
     Args:
-        config: a :class:`RolloutConfig`, or any object with a ``rollout`` attribute that
-            is one (the trainer's config).
+        config: a :class:`RolloutConfig`, or an object with a ``rollout`` attribute that is
+            one; any object with a string ``name`` and (some of) RolloutConfig's attribute
+            names also works (missing ones take the defaults).
         model: the policy; the embedded engine shares its weights, vLLM gets a copy
             written in HF format.
     """
     cfg = getattr(config, "rollout", config)
     if not isinstance(cfg, RolloutConfig):
-        raise TypeError(f"config must be a RolloutConfig or have a .rollout RolloutConfig, got {type(config).__name__}")
+        # Any object with the same attribute names (the trainer's own rollout section).
+        if not isinstance(getattr(cfg, "name", None), str):
+            raise TypeError("config must be a RolloutConfig, or an object with a string `name` (or a `.rollout` "
+                            f"holding one), got {type(config).__name__}")
+        cfg = RolloutConfig(**{f.name: getattr(cfg, f.name) for f in fields(RolloutConfig) if hasattr(cfg, f.name)})
     if cfg.name == "embedded":
         return EmbeddedRollout(model, cfg)
     if cfg.name == "vllm":

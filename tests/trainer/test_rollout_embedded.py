@@ -281,6 +281,11 @@ def test_make_rollout_bad_config(model):
         make_rollout(RolloutConfig(name="sglang"), model)
     with pytest.raises(TypeError, match="RolloutConfig"):
         make_rollout({"name": "embedded"}, model)
+
+    class Section:  # the trainer's own rollout section, duck-typed
+        name, n, max_model_len = "embedded", 8, 40
+
+    assert make_rollout(Section(), model).max_model_len == 40
     with pytest.raises(TypeError, match="Transformer"):
         make_rollout(RolloutConfig(), torch.nn.Linear(2, 2))
 

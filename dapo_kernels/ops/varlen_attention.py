@@ -61,15 +61,20 @@ def _dtype_meta(dtype: torch.dtype) -> dict:
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+# (inner block, warps, stages): 64-wide tiles with 3 stages is FA2-on-Hopper's usual point;
+# 32-wide for the register-heavy backward and D = 256 (where 64 x 3 stages overflows smem).
+_HOPPER_INNER = ((32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 2))
+# LPT order of the work lists; False keeps (sequence, block) order (GPU check compares).
+_LONGEST_FIRST = True
+
+
 def _inner_configs(name: str):
     """Autotune space of the inner (streamed) block; the interpreter gets one small config
     (autotuning interpreted kernels would run every config on the CPU)."""
     if INTERPRET:
         return [triton.Config({name: 16}, num_warps=1, num_stages=1)]
-    return [
-        triton.Config({name: bn}, num_warps=w, num_stages=s)
-        for bn in (32, 64) for w in (4, 8) for s in (2, 3)
-    ]
+    # Four Hopper candidates (each costs a compile at the first call per key).
+    return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in _HOPPER_INNER]
 
 
 def _outer_block(head_dim: int) -> int:
@@ -370,8 +375,10 @@ def _work_list(cu_seqlens: torch.Tensor, total_tokens: int, block: int, causal: 
     else:
         cost = nblk[seq]
     valid = item < cum[-1]
-    order = torch.argsort(torch.where(valid, cost, -1), descending=True, stable=True)
-    return torch.stack([torch.where(valid, seq, -1), blk], 1)[order].to(torch.int32).contiguous()
+    work = torch.stack([torch.where(valid, seq, -1), blk], 1)
+    if _LONGEST_FIRST:
+        work = work[torch.argsort(torch.where(valid, cost, -1), descending=True, stable=True)]
+    return work.to(torch.int32).contiguous()
 
 
 def _block_d(head_dim: int) -> int:

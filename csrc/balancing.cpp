@@ -24,7 +24,7 @@ using i128 = __int128;
 
 // Refinement rounds per item: each accepted step strictly lowers the sum of squared
 // group sums, so it terminates anyway; the cap only bounds the worst case.
-constexpr int64_t kRefineStepsPerItem = 4;
+constexpr int64_t kRefineStepsPerItem = 1;
 // Partner bins tried for the heaviest (lightest) bin when the extreme pair has no
 // improving exchange: enough to get past a blocked pair, cheap per step.
 constexpr int64_t kPartnerBins = 4;

@@ -170,8 +170,9 @@ def _rescale(m_part, s_part, t_part, m):
     return s_part * scale, (t_part + shift) * scale
 
 
-def combine_stats(stats: torch.Tensor, key: str = "") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 ``stats [S, N, 4]`` partial row statistics -> fp32 ``(lse, log_prob, entropy)`` over splits and ranks."""
+def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 ``stats [S, N, 4]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks."""
     m_part = stats[..., 0]
     m_local = m_part.amax(0)
     m_local = torch.where(torch.isfinite(m_local), m_local, torch.zeros_like(m_local))
@@ -183,30 +184,82 @@ def combine_stats(stats: torch.Tensor, key: str = "") -> Tuple[torch.Tensor, tor
         m_local = m
     s, t, tgt = _all_reduce(sums, key)
     log_s = torch.log(s)
-    return (m_local + log_s).float(), ((tgt - m_local) - log_s).float(), (log_s - t / s).float()
+    return (m_local + log_s).to(dtype), ((tgt - m_local) - log_s).to(dtype), (log_s - t / s).to(dtype)
 
 
 # --------------------------------------------------------------------------- torch backend
-def _chunk_rows(n_cols: int, n_rows: int) -> int:
-    return max(1, min(n_rows, _TORCH_CHUNK_BYTES // (4 * max(n_cols, 1))))
+def _chunk_rows(n_cols: int, n_rows: int, n_buffers: int = 1) -> int:
+    return max(1, min(n_rows, _TORCH_CHUNK_BYTES // (4 * n_buffers * max(n_cols, 1))))
 
 
-def _stats_of_logits(z: torch.Tensor, lab: torch.Tensor, entropy: bool):
-    """Row statistics of an fp32 logits chunk and ``exp(z - rowmax)`` (reused for p)."""
-    m = z.amax(1)
-    zc = z - m[:, None]
-    e = torch.exp(zc)
-    # fp64 row sums of fp32 terms: log s - t / s keeps its digits.
-    s = e.sum(1, dtype=torch.float64)
-    t = zc.mul_(e).sum(1, dtype=torch.float64) if entropy else torch.zeros_like(s)
-    del zc
+def _token_chunks(hidden: torch.Tensor, n_cols: int, two_buffers: bool):
+    """Yield ``(rows, fp32 hidden rows, z, e)`` per token chunk; ``z``/``e`` are ``[C, V]`` fp32 views of
+    buffers allocated once (``e is z`` unless ``two_buffers``).
+
+    A fresh buffer per chunk would page-fault on first touch of every 4 KiB page, which on a busy
+    CPU costs as much as an elementwise pass; reused buffers stay resident.
+    """
+    n = hidden.shape[0]
+    step = _chunk_rows(n_cols, n, 2 if two_buffers else 1)
+    z_buf = torch.empty((min(step, n), n_cols), dtype=torch.float32, device=hidden.device)
+    e_buf = torch.empty_like(z_buf) if two_buffers else z_buf
+    for r0 in range(0, n, step):
+        c = min(step, n - r0)
+        yield slice(r0, r0 + c), hidden[r0:r0 + c].float(), z_buf[:c], e_buf[:c]
+
+
+def _target(z: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+    """``z[i, lab_i]``, 0 where the label lies outside this vocab shard."""
     inside = (lab >= 0) & (lab < z.shape[1])
-    tgt = torch.where(inside, z.gather(1, lab.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-    return torch.stack([m.double(), s, t, tgt.double()], dim=1), e
+    return torch.where(inside, z.gather(1, lab.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+
+
+def _logits(x, w32, inv_temp: float, z):
+    """fp32 ``x @ w32.T * inv_temp`` into ``z``; the temperature scales the logits, as the reference does."""
+    torch.mm(x, w32.t(), out=z)
+    return z.mul_(inv_temp) if inv_temp != 1.0 else z
+
+
+def _chunk_stats(x, w32, lab, inv_temp: float, z, e, entropy: bool) -> torch.Tensor:
+    """fp64 ``[C, 4]`` row statistics of the logits ``x @ w32.T * inv_temp``.
+
+    Leaves ``z - rowmax`` in ``z`` and, without ``entropy`` (``e`` is then ``z``'s buffer),
+    ``exp(z - rowmax)`` in ``e``; with it, ``e`` is scratch.
+    """
+    tgt = _target(_logits(x, w32, inv_temp, z), lab)
+    m = z.amax(1)
+    torch.exp(z.sub_(m[:, None]), out=e)
+    # torch's CPU row sums are cascaded (error ~eps log V), so fp32 keeps log s - t / s's digits
+    # without an fp64 copy of the chunk; every term of t has one sign, nothing cancels.
+    s = e.sum(1)
+    t = e.mul_(z).sum(1) if entropy else torch.zeros_like(s)
+    return torch.stack([m, s, t, tgt], dim=1).double()
+
+
+def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, inv_temp: float, entropy: bool) -> torch.Tensor:
+    """d loss / d logits over the chunk's buffer, given ``e = exp(zc)`` and ``z = zc`` with
+    ``log p = zc + shift`` per row (only ``e`` is read without ``entropy``).
+
+    ``dz = -p (g_lp + g_ent (log p + ent)) + onehot g_lp``, the temperature folded into per-row
+    factors: one pass over ``[C, V]`` without entropy, three with it.
+    """
+    k = (torch.exp(shift) * -inv_temp).float()  # p = e * exp(shift)
+    if entropy:
+        # log p + ent first, as the chain rule through log_softmax groups it: both are ~log V,
+        # their difference small, so summing the two products separately would cancel digits.
+        z.add_((shift + ent).float()[:, None])
+        dz = torch.addcmul((k * g_lp)[:, None], z, (k * g_ent)[:, None], out=z).mul_(e)
+    else:
+        dz = e.mul_((k * g_lp)[:, None])
+    inside = (lab >= 0) & (lab < dz.shape[1])
+    rows = torch.arange(dz.shape[0], device=dz.device)
+    dz.index_put_((rows, lab.clamp(0, dz.shape[1] - 1)), torch.where(inside, g_lp * inv_temp, 0.0),
+                  accumulate=True)
+    return dz
 
 
 def _dlogits_(z: torch.Tensor, p: torch.Tensor, lab, lse, ent, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
-    """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities."""
+    """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities (npu_ops' path)."""
     z.sub_(lse[:, None]).add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
     inside = (lab >= 0) & (lab < z.shape[1])
     rows = torch.arange(z.shape[0], device=z.device)
@@ -214,34 +267,38 @@ def _dlogits_(z: torch.Tensor, p: torch.Tensor, lab, lse, ent, g_lp, g_ent, inv_
     return z.mul_(inv_temp)
 
 
+def _grad_buffers(hidden, weight):
+    """fp32 dH and dW; dW's first chunk overwrites it (``beta=0``), so it is zeroed only for N = 0."""
+    d_h = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    alloc = torch.zeros if hidden.shape[0] == 0 else torch.empty
+    return d_h, alloc(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def _accumulate_grads(dz, x, w32, d_h, d_w, sl: slice):
+    torch.mm(dz, w32, out=d_h[sl])
+    d_w.addmm_(dz.t(), x, beta=0 if sl.start == 0 else 1)
+
+
 @register("linear_log_probs_stats", "torch")
 def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
-    n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
-    stats = torch.empty((1, n, _NUM_STATS), dtype=torch.float64, device=hidden.device)
-    step = _chunk_rows(v, n)
-    for r0 in range(0, n, step):
-        z = torch.mm(hidden[r0:r0 + step].float(), w32.t()).mul_(inv_temp)
-        stats[0, r0:r0 + step], _ = _stats_of_logits(z, labels[r0:r0 + step] - vocab_start, entropy)
+    stats = torch.empty((1, hidden.shape[0], _NUM_STATS), dtype=torch.float64, device=hidden.device)
+    for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
+        stats[0, sl] = _chunk_stats(x, w32, labels[sl] - vocab_start, inv_temp, z, e, entropy)
     return stats
 
 
 @register("linear_log_probs_grads", "torch")
 def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
     """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk."""
-    n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
-    d_h = torch.empty((n, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-    d_w = torch.zeros(w32.shape, dtype=torch.float32, device=hidden.device)
-    step = _chunk_rows(v, n)
-    for r0 in range(0, n, step):
-        sl = slice(r0, r0 + step)
-        h = hidden[sl].float()
-        z = torch.mm(h, w32.t()).mul_(inv_temp)
-        p = torch.exp(z - lse[sl, None])
-        dz = _dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp)
-        torch.mm(dz, w32, out=d_h[sl])
-        d_w.addmm_(dz.t(), h)
+    entropy = bool(g_ent.any())
+    d_h, d_w = _grad_buffers(hidden, weight)
+    for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
+        torch.exp(_logits(x, w32, inv_temp, z).sub_(lse[sl, None]), out=e)  # z = log p, e = p
+        dz = _chunk_dlogits(z, e, labels[sl] - vocab_start, torch.zeros_like(lse[sl]), ent[sl], g_lp[sl], g_ent[sl],
+                            inv_temp, entropy)
+        _accumulate_grads(dz, x, w32, d_h, d_w, sl)
     return d_h, d_w.to(weight.dtype)
 
 
@@ -358,30 +415,29 @@ class _LossHead:
 @register("fused_linear_policy_loss", "torch")
 def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
     """One pass over token chunks; each fp32 logits chunk serves the loss and its gradient."""
-    (n, h), v = hidden.shape, weight.shape[0]
+    n = hidden.shape[0]
     w32 = weight.float()
     log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=hidden.device)
-    d_h = torch.empty((n, h) if compute_grad else (0, h), dtype=torch.float32, device=hidden.device)
-    d_w = torch.zeros(w32.shape if compute_grad else (0, h), dtype=torch.float32, device=hidden.device)
-    step = _chunk_rows(v, n)
-    for r0 in range(0, n, step):
-        sl = slice(r0, r0 + step)
-        x = hidden[sl].float()
+    if compute_grad:
+        d_h, d_w = _grad_buffers(hidden, weight)
+    else:
+        d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), w32.new_empty((0, weight.shape[1]))
+    for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
         lab = labels[sl] - vocab_start
-        z = torch.mm(x, w32.t()).mul_(inv_temp)
-        stats, e = _stats_of_logits(z, lab, entropy)
-        lse, log_prob[sl], ent_c = combine_stats(stats[None], key)
+        stats = _chunk_stats(x, w32, lab, inv_temp, z, e, entropy)
+        # fp64 lse and entropy: the softmax shift and log p + entropy below keep their digits.
+        lse, log_prob[sl], ent_c = combine_stats(stats[None], key, torch.float64)
         if entropy:
             ent[sl] = ent_c
         g_lp, g_ent, part = head(log_prob[sl], ent[sl], sl)
         sums += part
         if compute_grad:
-            p = e.mul_(torch.exp(stats[:, 0].float() - lse)[:, None])
-            dz = _dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp)
-            torch.mm(dz, w32, out=d_h[sl])
-            d_w.addmm_(dz.t(), x)
+            if entropy:
+                torch.exp(z, out=e)
+            dz = _chunk_dlogits(z, e, lab, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
+            _accumulate_grads(dz, x, w32, d_h, d_w, sl)
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
 
 
@@ -470,15 +526,27 @@ def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entro
 
 
 def _fused_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[3], output[4])
+    # Only the loss is differentiable: no zero-filled [V, H] cotangent for the dW output.
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    # Detached (no reference cycle through grad_fn), not saved: backward scales them in place and
+    # lets go, so autograd can take them as .grad without a copy.
+    ctx.grads = [output[3].detach(), output[4].detach()]
     ctx.n_tokens = len(inputs[3])
 
 
-def _fused_backward(ctx, g_sums, g_lp, g_ent, g_dh, g_dw):
-    d_h, d_w = ctx.saved_tensors
-    g = g_sums[0]
-    return (d_h * g.to(d_h.dtype), d_w * g.to(d_w.dtype), None, [None] * ctx.n_tokens,
-            None, None, None, None, None, None)
+def _fused_backward(ctx, g_sums, *_):
+    if ctx.grads is None:
+        raise RuntimeError("fused_linear_policy_loss computes its gradients in the forward and hands them over "
+                           "in the first backward; a second backward (retain_graph) needs a new forward")
+    d_h, d_w = ctx.grads
+    ctx.grads = None
+    if g_sums is None:
+        d_h = d_w = None
+    else:
+        g = g_sums[0]
+        d_h, d_w = d_h.mul_(g), d_w.mul_(g)
+    return (d_h, d_w, None, [None] * ctx.n_tokens, None, None, None, None, None, None)
 
 
 _fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)

@@ -220,3 +220,22 @@ def test_bad_input(case, exc, match):
         kw["temperature"] = 0.0
     with pytest.raises(exc, match=match):
         dk.fused_linear_policy_loss(hidden, weight, labels, **tok, **kw)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_fused_upstream_grad_scales_and_second_backward_refused(be):
+    """The gradients are computed in the forward and scaled in place by the upstream grad: a
+    loss weight must reach them, and a retained graph must not hand over the buffers twice."""
+    hidden, weight, labels = make_linear(12, 16, 150, torch.float32)
+    tok = fused_inputs(12, 150, ref=False)
+    grads = []
+    for scale in (1.0, 0.25):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with backend(be):
+            loss, _ = dk.fused_linear_policy_loss(h, w, labels, **tok)
+        (scale * loss).backward(retain_graph=True)
+        grads.append((h.grad, w.grad))
+    # x 0.25 is exact in binary floating point
+    assert torch.equal(grads[1][0], 0.25 * grads[0][0]) and torch.equal(grads[1][1], 0.25 * grads[0][1])
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()

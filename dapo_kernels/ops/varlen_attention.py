@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty_output
-from .._registry import dispatch, register
+from .._registry import current_backend, dispatch, register, use_backend
 from .._validation import check_cu_seqlens, check_int, check_tensor
 from ._triton_utils import INTERPRET, cdiv
 
@@ -480,22 +480,24 @@ def _key_padding_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
     T, Hq, _ = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
-    lse2 = empty_output((T, Hq), dtype=torch.float32, device=q.device)
+    # Natural-log lse, the unit torch's CPU kernels produce and consume: converting would add
+    # an fp32 rounding of a value ~10 to every probability the backward recomputes.
+    lse_nat = empty_output((T, Hq), dtype=torch.float32, device=q.device)
     for gather, valid in _length_buckets(cu_seqlens, T):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _padded(q, gather), _padded(k, gather), _padded(v, gather), 0.0, causal,
             attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
         )
         _unpad_into(out, o, gather, valid)
-        _unpad_into(lse2, lse * _LOG2E, gather, valid)
-    return out, lse2.t().contiguous()
+        _unpad_into(lse_nat, lse, gather, valid)
+    return out, lse_nat.t().contiguous()
 
 
 @register("varlen_attention_bwd", "torch")
 def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    lse_nat = lse.t() * _LN2
+    lse_nat = lse.t()
     for gather, valid in _length_buckets(cu_seqlens, T):
         # Padding rows get dO = 0 and lse = +inf, so their probabilities are exactly 0 and
         # they add nothing to dK/dV; padding slots' own gradients are dropped.
@@ -515,11 +517,12 @@ def _varlen_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     max_seqlen: int, causal: bool, softmax_scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, Hq, D], lse2 float32 [Hq, T])`` on validated, contiguous inputs.
+    """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
 
-    ``lse2`` is the log-sum-exp in base 2 (``lse / ln 2``): the units the Triton backward
-    recomputes probabilities in, so a round trip through natural log (two fp32 roundings
-    of a value ~10, up to 2e-6 relative error in fp32 gradients) is never made."""
+    ``lse`` is in the unit of the backend that ran, the one its backward recomputes
+    probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
+    Triton, natural log for the torch path (torch's CPU kernels). The public function
+    converts to natural log; autograd runs the backward on the forward's backend."""
     return dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
 
 
@@ -549,12 +552,14 @@ def _fwd_setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.args = (max_seqlen, causal, softmax_scale)
+    ctx.backend = current_backend(q.device)  # lse's unit depends on it
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = _varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.args)
+    with use_backend(ctx.backend):
+        dq, dk, dv = _varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.args)
     return dq, dk, dv, None, None, None, None
 
 
@@ -635,8 +640,10 @@ def varlen_attention(
     causal = _check_flag("causal", causal)
     return_lse = _check_flag("return_lse", return_lse)
     scale = _check_scale(softmax_scale, q.shape[2])
-    out, lse2 = _varlen_attention_fwd(
+    out, lse = _varlen_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.to(torch.int32).contiguous(),
         max_seqlen, causal, scale,
     )
-    return (out, lse2 * _LN2) if return_lse else out
+    if not return_lse:
+        return out
+    return out, (lse * _LN2 if current_backend(q.device) == "triton" else lse)

@@ -1,0 +1,176 @@
+"""GPU check of the fused lm_head -> log-prob -> DAPO loss (``dk.linear_log_probs``,
+``dk.fused_linear_policy_loss``): correctness against float64, speed against the matmuls.
+
+* Correctness (N=512, H=4096, V=151936, bf16 inputs, temperature 0.7, entropy and kl terms on):
+  the Triton kernels and the torch path (on the GPU too) against a float64 full-logits reference
+  on the same bf16-rounded inputs; bound: 2x plain bf16 torch's own error (the project rule),
+  and the issue's log-prob error < 1e-3 nats.
+* Speed (N=16384, H=4096, V=151936 bf16, token-mean DAPO loss, forward + backward):
+  the three bf16 matmuls alone (logits, dH, dW: 6*N*H*V FLOPs, the physical limit) vs dk
+  Triton, Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (if importable) and naive full fp32
+  logits + log_softmax + autograd; TFLOP/s and peak extra memory for each.
+
+Budget: ~90 s (Triton compilation and the naive 10 GB logits included).
+"""
+import torch
+
+import dapo_kernels as dk
+from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
+from gpu.common import cuda_time_ms, peak_mem_mb
+
+N, H, V = 16384, 4096, 151936
+N_CHECK = 512
+B = 16  # Liger: [B, T, H] with one advantage per sequence
+TEMP = 0.7
+DEVICE = "cuda"  # a CPU smoke run (interpreted Triton, small sizes) sets it to "cpu"
+
+
+def _inputs(n, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    kw = dict(device=DEVICE, generator=g)
+    hidden = torch.randn(n, H, **kw).bfloat16()
+    weight = (torch.randn(V, H, **kw) * 2.0 / H ** 0.5).bfloat16()  # logits of std ~2
+    labels = torch.randint(0, V, (n,), **kw)
+    old = -3 * torch.rand(n, **kw)
+    adv = torch.randn(B, **kw).repeat_interleave(n // B)
+    mask = torch.rand(n, **kw) > 0.1
+    ref = old + 0.3 * torch.randn(n, **kw)
+    return hidden, weight, labels, old, adv, mask, ref
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _grads(fn, hidden, weight, dtype):
+    h = hidden.to(dtype).requires_grad_()
+    w = weight.to(dtype).requires_grad_()
+    outs = fn(h, w)
+    dh, dw = torch.autograd.grad(outs[0], [h, w])
+    return [o.detach() for o in outs] + [dh, dw]
+
+
+def _correctness(report):
+    hidden, weight, labels, old, adv, mask, ref = _inputs(N_CHECK, seed=1)
+    cot = torch.randn(N_CHECK, device=DEVICE)
+    kw = dict(temperature=TEMP, entropy_coeff=0.01, kl_coef=0.1, ref_log_prob=ref)
+
+    def lin_dk(h, w):
+        lp, ent = dk.linear_log_probs(h, w, labels, temperature=TEMP, return_entropy=True)
+        return (lp * cot).sum() + (ent * cot.flip(0)).sum(), lp, ent
+
+    def lin_ref(h, w):
+        lp, ent = linear_log_probs_ref(h, w, labels, TEMP)
+        return (lp * cot.to(lp.dtype)).sum() + (ent * cot.flip(0).to(ent.dtype)).sum(), lp, ent
+
+    def fused_dk(h, w):
+        loss, m = dk.fused_linear_policy_loss(h, w, labels, old, adv, mask, **kw)
+        return loss, m["log_prob"], m["entropy"]
+
+    def fused_ref(h, w):
+        f = {k: (v.to(h.dtype) if torch.is_tensor(v) else v) for k, v in kw.items()}
+        loss, _, lp, ent = fused_linear_policy_loss_ref(h, w, labels, old.to(h.dtype), adv.to(h.dtype), mask, **f)
+        return loss, lp, ent
+
+    names = ("value", "log_prob", "entropy", "dhidden", "dweight")
+    for op, ours, theirs in (("linear_log_probs", lin_dk, lin_ref), ("fused_loss", fused_dk, fused_ref)):
+        r64 = _grads(theirs, hidden, weight, torch.float64)
+        plain = _grads(theirs, hidden, weight, torch.bfloat16)
+        for be in ("triton", "torch"):
+            with dk.use_backend(be):
+                out = _grads(ours, hidden, weight, torch.bfloat16)
+            bad, worst = [], 0.0
+            for name, o, r, p in zip(names, out, r64, plain):
+                floor = torch.finfo(o.dtype if o.dtype != torch.float64 else torch.float32).eps * r.abs().max().item()
+                bound = 2 * max(_err(p, r), floor)
+                worst = max(worst, _err(o, r) / bound)
+                if _err(o, r) > bound:
+                    bad.append(f"{name} {_err(o, r):.2e}>{bound:.2e}")
+            lp_err = _err(out[1], r64[1])
+            if lp_err >= 1e-3:
+                bad.append(f"log_prob err {lp_err:.2e} >= 1e-3")
+            report.add(op, f"N{N_CHECK}-H{H}-V{V}-bf16 vs fp64", impl=f"dk {be}",
+                       metric=f"lp err {lp_err:.1e}, worst err/bound {worst:.2f}",
+                       status="FAIL" if bad else "ok", note="; ".join(bad)[:120])
+        del r64, plain
+
+
+def _step_dk(hidden, weight, labels, old, adv, mask):
+    loss, _ = dk.fused_linear_policy_loss(hidden, weight, labels, old, adv, mask)
+    loss.backward()
+
+
+def _step_naive(hidden, weight, labels, old, adv, mask):
+    logits = (hidden @ weight.t()).float()
+    log_prob = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
+    ratio = torch.exp(torch.clamp(log_prob - old, -20, 20))
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.28))
+    pg = torch.where(adv < 0, torch.minimum(-adv * 3.0, pg), pg)
+    ((pg * mask).sum() / mask.sum()).backward()
+
+
+def _liger_step():
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    # compiled=False: torch.compile of Liger's chunk function would not fit this check's budget.
+    fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, epsilon_low=0.2,
+                                  epsilon_high=0.28, loss_type="dapo")
+
+    def step(hidden, weight, labels, old, adv, mask):
+        out = fn(hidden.view(B, N // B, H), weight, labels.view(B, N // B), mask.view(B, N // B).long(),
+                 adv.view(B, N // B)[:, 0], old_per_token_logps=old.view(B, N // B))
+        (out[0] if isinstance(out, tuple) else out).backward()
+
+    return step
+
+
+def _speed(report):
+    hidden, weight, labels, old, adv, mask, _ = _inputs(N)
+    flops = 6 * N * H * V
+    case = f"N{N}-H{H}-V{V}-bf16 fwd+bwd"
+
+    g = torch.empty(N, V, device=DEVICE, dtype=torch.bfloat16)
+    d_w = torch.empty_like(weight)
+
+    def matmuls():
+        torch.mm(hidden, weight.t(), out=g)
+        torch.mm(g, weight)
+        torch.mm(g.t(), hidden, out=d_w)
+
+    ms = cuda_time_ms(matmuls, warmup=1, iters=3)
+    report.add("fused_loss", case, impl="3 bf16 matmuls", ms=ms, metric=f"{flops / ms / 1e9:.0f} TFLOP/s")
+    base_ms = ms
+    del g, d_w
+    torch.cuda.empty_cache()
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    args = (h, w, labels, old, adv, mask)
+    steps = [("dk triton", _step_dk)]
+    try:
+        steps.append(("liger (eager)", _liger_step()))
+    except Exception as e:
+        report.add("fused_loss", case, impl="liger", status="skip", note=f"{type(e).__name__}: {e}"[:120])
+    steps.append(("naive fp32 logits", _step_naive))
+    for impl, step in steps:
+        try:
+            with dk.use_backend("triton"):
+                def run():
+                    h.grad = w.grad = None
+                    step(*args)
+
+                ms = cuda_time_ms(run, warmup=1, iters=3)
+                h.grad = w.grad = None
+                mem = peak_mem_mb(run)
+            report.add("fused_loss", case, impl=impl, ms=ms,
+                       metric=f"{flops / ms / 1e9:.0f} TFLOP/s, {ms / base_ms:.2f}x matmuls, peak +{mem:.0f} MiB")
+        except Exception as e:  # Liger / naive out of memory or broken: a row, not a crash
+            report.add("fused_loss", case, impl=impl, status="skip" if impl != "dk triton" else "FAIL",
+                       note=f"{type(e).__name__}: {e}"[:120])
+        h.grad = w.grad = None
+        torch.cuda.empty_cache()
+
+
+def run(report):
+    _correctness(report)
+    torch.cuda.empty_cache()
+    _speed(report)

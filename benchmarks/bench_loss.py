@@ -164,15 +164,16 @@ def table(results: dict) -> str:
     load = os.getloadavg()[0]
     lines = [f"fused linear -> DAPO loss, fwd+bwd, N={N} H={H} V={V} fp32, CPU {torch.get_num_threads()} threads, "
              f"load average {load:.1f}, best of {ROUNDS} alternated rounds",
-             "| variant | time (s) | peak extra memory (MiB) | time vs naive | memory vs naive | loss |",
-             "|---|---|---|---|---|---|"]
+             "| variant | time (s) | peak extra memory (MiB) | time vs naive | memory vs naive | loss | runs: s / MiB |",
+             "|---|---|---|---|---|---|---|"]
     base = results["naive"]
     for name, r in results.items():
         if "skipped" in r:
-            lines.append(f"| {name} | not run: {r['skipped']} | | | | |")
+            lines.append(f"| {name} | not run: {r['skipped']} | | | | | |")
             continue
         lines.append(f"| {name} | {r['seconds']:.2f} | {r['peak_mib']:.0f} | {r['seconds'] / base['seconds']:.2f}x | "
-                     f"{base['peak_mib'] / max(r['peak_mib'], 1e-9):.1f}x lower | {r['loss']:.6f} |")
+                     f"{base['peak_mib'] / max(r['peak_mib'], 1e-9):.1f}x lower | {r['loss']:.6f} | "
+                     f"{r['seconds_runs']} / {r['peak_mib_runs']} |")
     return "\n".join(lines)
 
 

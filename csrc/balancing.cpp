@@ -31,9 +31,9 @@ constexpr int64_t kPartnerBins = 4;
 // Candidates scanned on each side of the ideal swap partner when a token cap rejects
 // the closest ones; beyond that the gain is small and the scan would go quadratic.
 constexpr int64_t kCapScanWindow = 32;
-// Consecutive micro-batch counts tried with KK before settling for the best-fit count:
-// KK nearly always fits within one or two steps of the lower bound.
-constexpr int64_t kMaxCountAttempts = 64;
+// Consecutive micro-batch counts tried with KK before the search starts doubling its
+// step: KK nearly always fits within one or two counts of the lower bound.
+constexpr int64_t kLinearCounts = 8;
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
@@ -410,7 +410,7 @@ int64_t count_lower_bound(const int64_t* t, int64_t n, int64_t cap, int64_t tota
   std::sort(desc.begin(), desc.end(), std::greater<int64_t>());
   int64_t bound = total / cap + (total % cap != 0);
   int64_t c = 0;  // c_p: items with t * (p + 1) > cap
-  for (int64_t p = 1; (n + p - 1) / p > bound; ++p) {  // c_p <= n: no gain once n / p is reached
+  for (int64_t p = 1; p <= n && (n + p - 1) / p > bound; ++p) {  // c_p <= n: no gain past n / p
     while (c < n && i128(desc[c]) * (p + 1) > cap) ++c;
     bound = std::max(bound, (c + p - 1) / p);
   }
@@ -439,12 +439,47 @@ class MicroBatcher {
     return finish(make_bins(to_groups(bins), w_, t_), out);
   }
 
+  // Smallest count in [lower, upper] (steps of `step`) at which KK fits, into `out`.
+  // The first kLinearCounts counts are tried one by one (where KK nearly always fits);
+  // past them the step doubles until a fit, then bisection between the last miss and
+  // the fit (fits are close to monotone in the count), so a wide gap costs O(log gap).
+  bool search(int64_t lower, int64_t upper, int64_t step, Groups& out) const {
+    int64_t m = lower;
+    for (int64_t i = 0; i < kLinearCounts; ++i, m += step)
+      if (m > upper || fits(m, out)) return m <= upper;
+    int64_t miss = m - step;
+    for (int64_t stride = step;; stride *= 2) {
+      if (m > upper) {
+        if (miss == upper) return false;
+        m = upper;
+      }
+      if (fits(m, out)) break;
+      miss = m;
+      m += stride;
+    }
+    Groups probe;
+    for (int64_t hit = m; hit - miss > step;) {
+      const int64_t mid = miss + (hit - miss) / step / 2 * step;
+      if (fits(mid, probe)) {
+        hit = mid;
+        out.swap(probe);
+      } else {
+        miss = mid;
+      }
+    }
+    return true;
+  }
+
   void from_packing(Groups packing, int64_t m, Groups& out) const {
     split_to(packing, m);
     finish(make_bins(packing, w_, t_), out);
   }
 
  private:
+  bool fits(int64_t m, Groups& out) const {
+    return try_workloads(m, out) || (w_ != t_ && try_tokens(m, out));
+  }
+
   bool finish(std::vector<Bin> bins, Groups& out) const {
     Refiner(cap_, true).run(bins, steps_);
     out = to_groups(bins);
@@ -495,12 +530,8 @@ Groups micro_batches(const int64_t* tokens, const int64_t* workloads, int64_t n,
   const int64_t packed = round_up(std::max(static_cast<int64_t>(packing.size()), lower), multiple_of);
   MicroBatcher mb(tokens, workloads, n, max_tokens);
   Groups out;
-  int64_t m = lower;
-  // KK is tried at the packing's count too: it is usually better balanced.
-  for (int64_t attempt = 0; attempt < kMaxCountAttempts && m <= packed && m <= n; ++attempt, m += multiple_of) {
-    if (mb.try_workloads(m, out)) return out;
-    if (workloads != tokens && mb.try_tokens(m, out)) return out;
-  }
+  // KK is tried up to the packing's count too: it is usually better balanced.
+  if (mb.search(lower, std::min(packed, round_up(n + 1, multiple_of) - multiple_of), multiple_of, out)) return out;
   if (packed > n) too_many(packed);
   mb.from_packing(std::move(packing), packed, out);
   return out;

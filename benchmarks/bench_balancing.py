@@ -1,0 +1,105 @@
+"""Sequence-length balancing vs verl 0.9.1 (CPU, host-side).
+
+`pytest benchmarks/bench_balancing.py --benchmark-only -p no:xdist`
+
+* balanced partitions: n = 8,192 log-normal lengths (64..20,480), k = 8 and 64, with
+  equal_size False / True; ours from an ndarray, a list and a tensor; verl's
+  `get_seqlen_balanced_partitions` from a list and from a tensor.
+* micro-batches: 1,024 sequences, cap 24,576 tokens; ours balancing tokens and balancing
+  verl's attention workload (h = 4096); verl's `rearrange_micro_batches` on a TensorDict
+  with a bool attention mask and a 1-wide input_ids (so its time is its index logic plus
+  one small index_select, not a copy of padded activations).
+
+Quality goes into each row's extra_info (spread = max - min partition sum; count, max
+tokens); `--benchmark-json out.json` keeps it. verl runs fewer rounds: one call takes
+seconds.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dapo_kernels as dk
+
+verl_sb = pytest.importorskip("verl.utils.seqlen_balancing", reason="verl==0.9.1 (requirements-bench-nodeps.txt)")
+tensordict = pytest.importorskip("tensordict", reason="tensordict (requirements-bench.txt)")
+
+N_PART, N_MB, CAP, HIDDEN = 8192, 1024, 24_576, 4096
+VERL_ROUNDS = 3
+
+
+def rl_lengths(n: int, seed: int) -> np.ndarray:
+    """Response lengths of an RL batch: log-normal around 1.5k tokens, clipped to 64..20,480."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.exp(rng.normal(np.log(1500), 1.0, n)), 64, 20_480).astype(np.int64)
+
+
+def as_input(lengths: np.ndarray, kind: str):
+    return {"ndarray": lengths, "list": lengths.tolist(), "tensor": torch.from_numpy(lengths)}[kind]
+
+
+def group_sums(values: np.ndarray, groups) -> np.ndarray:
+    return np.array([int(values[list(g)].sum()) for g in groups])
+
+
+def run(benchmark, fn, verl: bool):
+    if verl:
+        return benchmark.pedantic(fn, rounds=VERL_ROUNDS, iterations=1, warmup_rounds=0)
+    return benchmark(fn)
+
+
+# --------------------------------------------------------------------------- partitions
+PEERS = [("dapo", "ndarray"), ("dapo", "list"), ("dapo", "tensor"), ("verl", "list"), ("verl", "tensor")]
+
+
+@pytest.mark.parametrize("equal_size", [False, True], ids=["free", "equal"])
+@pytest.mark.parametrize("k", [8, 64], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("impl,kind", PEERS, ids=[f"{a}-{b}" for a, b in PEERS])
+def test_balanced_partitions(benchmark, impl, kind, k, equal_size):
+    lengths = rl_lengths(N_PART, seed=0)
+    data = as_input(lengths, kind)
+    benchmark.group = f"partitions n={N_PART} k={k} {'equal' if equal_size else 'free'}"
+    if impl == "dapo":
+        fn = lambda: dk.balanced_partitions(data, k, equal_size)  # noqa: E731
+    else:
+        fn = lambda: verl_sb.get_seqlen_balanced_partitions(data, k, equal_size)  # noqa: E731
+    parts = run(benchmark, fn, impl == "verl")
+    sums = group_sums(lengths, parts)
+    assert sorted(i for p in parts for i in p) == list(range(N_PART))
+    benchmark.extra_info.update(spread=int(sums.max() - sums.min()), max_sum=int(sums.max()))
+
+
+# --------------------------------------------------------------------------- micro-batches
+def verl_batch(lengths: np.ndarray):
+    mask = torch.arange(int(lengths.max()))[None, :] < torch.from_numpy(lengths)[:, None]
+    ids = torch.zeros(len(lengths), 1, dtype=torch.long)
+    return tensordict.TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lengths)])
+
+
+MB_IMPLS = ["dapo-tokens", "dapo-attention", "verl"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("impl", MB_IMPLS)
+def test_micro_batches(benchmark, impl, seed):
+    lengths = rl_lengths(N_MB, seed=seed)
+    attention = dk.attention_workload(lengths, HIDDEN)  # == verl's calculate_workload
+    benchmark.group = f"micro_batches n={N_MB} cap={CAP} seed={seed}"
+    if impl == "verl":
+        batch = verl_batch(lengths)
+        fn = lambda: verl_sb.rearrange_micro_batches(batch, CAP)[1]  # noqa: E731
+    elif impl == "dapo-attention":
+        fn = lambda: dk.micro_batches(lengths, CAP, workloads=attention)  # noqa: E731
+    else:
+        fn = lambda: dk.micro_batches(lengths, CAP)  # noqa: E731
+    mbs = run(benchmark, fn, impl == "verl")
+    tokens, work = group_sums(lengths, mbs), group_sums(attention, mbs)
+    assert tokens.max() <= CAP
+    benchmark.extra_info.update(
+        count=len(mbs),
+        lower_bound=-(-int(lengths.sum()) // CAP),
+        max_tokens=int(tokens.max()),
+        token_spread=int(tokens.max() - tokens.min()),
+        attention_spread=int(work.max() - work.min()),
+    )

@@ -274,9 +274,20 @@ def _grad_buffers(hidden, weight):
     return d_h, alloc(weight.shape, dtype=torch.float32, device=weight.device)
 
 
-def _accumulate_grads(dz, x, w32, d_h, d_w, sl: slice):
+def _accumulate_grads(dz, x, w32, d_h, d_w, sl: slice, live: Optional[torch.Tensor] = None):
+    """dH rows of the chunk and dW += dz^T x; ``live``: rows that have a gradient at all."""
+    beta = 0 if sl.start == 0 else 1
+    if live is not None and not bool(live.all()):
+        # Masked tokens (prompts in a packed batch) and clipped ones have dz = 0: leaving them out
+        # of both matmuls saves their share of two thirds of the FLOPs, for a [k, V] copy.
+        idx = live.nonzero()[:, 0]
+        dz, x = dz.index_select(0, idx), x.index_select(0, idx)
+        d_h[sl] = 0
+        d_h[sl].index_copy_(0, idx, torch.mm(dz, w32))
+        d_w.addmm_(dz.t(), x, beta=beta)
+        return
     torch.mm(dz, w32, out=d_h[sl])
-    d_w.addmm_(dz.t(), x, beta=0 if sl.start == 0 else 1)
+    d_w.addmm_(dz.t(), x, beta=beta)
 
 
 @register("linear_log_probs_stats", "torch")
@@ -437,7 +448,7 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
             if entropy:
                 torch.exp(z, out=e)
             dz = _chunk_dlogits(z, e, lab, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
-            _accumulate_grads(dz, x, w32, d_h, d_w, sl)
+            _accumulate_grads(dz, x, w32, d_h, d_w, sl, (g_lp != 0) | (g_ent != 0))
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
 
 

@@ -154,11 +154,12 @@ def test_fused_no_grad_same_loss_and_all_masked_zero(be):
         assert torch.allclose(a, b, rtol=0, atol=0) and torch.equal(ma["log_prob"], mb["log_prob"])
         tok["response_mask"] = torch.zeros(12, dtype=torch.bool)
         for mode in ("token-mean", "seq-mean-token-mean"):
-            z, _ = dk.fused_linear_policy_loss(h, weight, labels, loss_agg_mode=mode,
+            w = weight.clone().requires_grad_()
+            z, _ = dk.fused_linear_policy_loss(h, w, labels, loss_agg_mode=mode,
                                                cu_seqlens=torch.tensor([0, 5, 12]) if mode != "token-mean" else None,
                                                **tok)
-            (g,) = torch.autograd.grad(z, h)
-            assert z.item() == 0.0 and torch.equal(g, torch.zeros_like(g))
+            g, g_w = torch.autograd.grad(z, [h, w])
+            assert z.item() == 0.0 and torch.equal(g, torch.zeros_like(g)) and torch.equal(g_w, torch.zeros_like(g_w))
 
 
 @pytest.mark.parametrize("kl_type", ["kl", "abs", "mse", "low_var_kl", "k3+"])

@@ -11,8 +11,8 @@
   one small index_select, not a copy of padded activations).
 
 Quality goes into each row's extra_info (spread = max - min partition sum; count, max
-tokens); `--benchmark-json out.json` keeps it. verl runs fewer rounds: one call takes
-seconds.
+tokens); `--benchmark-json out.json` keeps it. verl runs fewer rounds (VERL_ROUNDS): one call
+takes up to a minute.
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ verl_sb = pytest.importorskip("verl.utils.seqlen_balancing", reason="verl==0.9.1
 tensordict = pytest.importorskip("tensordict", reason="tensordict (requirements-bench.txt)")
 
 N_PART, N_MB, CAP, HIDDEN = 8192, 1024, 24_576, 4096
-VERL_ROUNDS = 3
+# verl takes 0.1 s to a minute per call here: a few rounds from a list, one from a
+# tensor (every element is a 0-d tensor in its Python loops) and for micro-batches.
+VERL_ROUNDS = {"list": 3, "tensor": 1, "batch": 1}
 
 
 def rl_lengths(n: int, seed: int) -> np.ndarray:
@@ -43,9 +45,9 @@ def group_sums(values: np.ndarray, groups) -> np.ndarray:
     return np.array([int(values[list(g)].sum()) for g in groups])
 
 
-def run(benchmark, fn, verl: bool):
-    if verl:
-        return benchmark.pedantic(fn, rounds=VERL_ROUNDS, iterations=1, warmup_rounds=0)
+def run(benchmark, fn, rounds=None):
+    if rounds:
+        return benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
     return benchmark(fn)
 
 
@@ -64,7 +66,7 @@ def test_balanced_partitions(benchmark, impl, kind, k, equal_size):
         fn = lambda: dk.balanced_partitions(data, k, equal_size)  # noqa: E731
     else:
         fn = lambda: verl_sb.get_seqlen_balanced_partitions(data, k, equal_size)  # noqa: E731
-    parts = run(benchmark, fn, impl == "verl")
+    parts = run(benchmark, fn, VERL_ROUNDS[kind] if impl == "verl" else None)
     sums = group_sums(lengths, parts)
     assert sorted(i for p in parts for i in p) == list(range(N_PART))
     benchmark.extra_info.update(spread=int(sums.max() - sums.min()), max_sum=int(sums.max()))
@@ -93,7 +95,7 @@ def test_micro_batches(benchmark, impl, seed):
         fn = lambda: dk.micro_batches(lengths, CAP, workloads=attention)  # noqa: E731
     else:
         fn = lambda: dk.micro_batches(lengths, CAP)  # noqa: E731
-    mbs = run(benchmark, fn, impl == "verl")
+    mbs = run(benchmark, fn, VERL_ROUNDS["batch"] if impl == "verl" else None)
     tokens, work = group_sums(lengths, mbs), group_sums(attention, mbs)
     assert tokens.max() <= CAP
     benchmark.extra_info.update(

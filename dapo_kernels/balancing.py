@@ -43,6 +43,8 @@ def _as_int64(name: str, values) -> np.ndarray:
             values = np.asarray(values) if len(values) else np.empty(0, dtype=np.int64)
         except (OverflowError, ValueError) as e:
             raise ValueError(f"{name} must hold integers in the int64 range: {e}") from None
+    if values.dtype.kind == "O":  # Python ints past the uint64 range
+        raise ValueError(f"{name} must hold integers in the int64 range")
     if values.dtype.kind not in "iu":
         raise ValueError(f"{name} must have an integer dtype, got {values.dtype}")
     if values.ndim != 1:
@@ -86,10 +88,12 @@ def micro_batches(
 ) -> List[List[int]]:
     """Split a batch into micro-batches of at most ``max_token_len`` tokens each.
 
-    The count starts at the lower bound ``max(ceil(sum / cap), #sequences over cap/2,
-    min_num_micro_batches)`` rounded up to ``num_micro_batches_multiple_of``, and grows
-    until a Karmarkar-Karp partition of the workloads (or, failing that, of the tokens)
-    fits the cap; a best-fit-decreasing packing bounds it from above, so it never exceeds
+    The count starts at a lower bound no packing can beat (``ceil(sum / cap)``; at most p
+    sequences longer than ``cap / (p + 1)`` share a micro-batch; ``min_num_micro_batches``),
+    rounded up to ``num_micro_batches_multiple_of``, and grows until a Karmarkar-Karp
+    partition of the workloads (or, failing that, of the tokens) fits the cap: one count
+    at a time for the first 8 counts (where it nearly always fits), then doubling steps
+    and bisection. A best-fit-decreasing packing bounds it from above, so it never exceeds
     ``ceil-to-multiple(max(best-fit count, lower bound))``. Within the chosen count,
     workload sums are balanced by moves / swaps that keep every micro-batch under the cap.
 

@@ -1,0 +1,98 @@
+"""The demo task (generation, held-out split), its assets (tokenizer, model dir, cached
+warm start) and a 2-step smoke of the main job through the real trainer."""
+import json
+import os
+import random
+
+import pytest
+
+from dapo_trainer.demo import DemoConfig, TaskConfig, build_demo, read_metrics, run_demo
+from dapo_trainer.demo.arithmetic import make_split, sample_problem
+from dapo_trainer.rewards import default_compute_score
+
+# A model and warm start small enough for a unit test (seconds, one core).
+TINY = dict(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=1, head_dim=64,
+            num_train=300, num_val=12, warm_start_steps=3, warm_start_batch_size=8)
+
+
+@pytest.mark.parametrize("ops", [("sort",), ("+",), ("-",), ("*",), ("sort", "+", "-", "*")], ids="".join)
+@pytest.mark.parametrize("little_endian", [False, True], ids=["big-endian", "little-endian"])
+def test_problems_are_right(ops, little_endian):
+    task = TaskConfig(ops=ops, little_endian=little_endian, max_digits=random.randint(1, 4))
+    rng = random.Random(random.randrange(2**31))
+    for _ in range(200):
+        p = sample_problem(rng, task)
+        body = p.prompt[:-1]
+        assert p.prompt.endswith("=")
+        if body.startswith("sort:"):
+            assert p.answer == "".join(sorted(body[5:]))
+            continue
+        op = next(o for o in "+-*" if o in body)
+        a, b = body.split(op)
+        read = (lambda s: int(s[::-1])) if little_endian else int
+        expect = {"+": read(a) + read(b), "-": read(a) - read(b), "*": read(a) * read(b)}[op]
+        assert read(p.answer) == expect >= 0
+        assert default_compute_score("arithmetic", p.answer, p.answer)["acc"] == 1.0
+
+
+def test_split_is_deterministic_and_held_out():
+    task, seed = TaskConfig(), random.randrange(1000)
+    train, val = make_split(task, seed, 2000, 100)
+    assert (train, val) == make_split(task, seed, 2000, 100)
+    assert val == make_split(task, seed, 50, 100)[1]  # growing the train set keeps val
+    assert len({p.prompt for p in val}) == 100
+    assert not {p.prompt for p in train} & {p.prompt for p in val}
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="TaskConfig.ops"):
+        TaskConfig(ops=("/",))
+    with pytest.raises(ValueError, match="TaskConfig.max_digits"):
+        TaskConfig(max_digits=0)
+    with pytest.raises(ValueError, match="num_val.*exceeds"):
+        make_split(TaskConfig(ops=("*",), mul_digits=1), 0, 10, 500)  # only 100 distinct problems
+    with pytest.raises(TypeError, match="cfg must be a DemoConfig"):
+        build_demo({"seed": 0})
+
+
+def test_assets_are_an_hf_model_dir_and_cached(tmp_path):
+    from tokenizers import Tokenizer
+
+    from dapo_trainer.hf_io import load_hf_model
+
+    cfg = DemoConfig(seed=random.randrange(100), **TINY)
+    a = build_demo(cfg, cache_dir=str(tmp_path), progress=False)
+    assert a.built
+    tok = Tokenizer.from_file(os.path.join(a.model_dir, "tokenizer.json"))
+    assert tok.decode(tok.encode("sort:3120=").ids) == "sort:3120="
+    tc = json.load(open(os.path.join(a.model_dir, "tokenizer_config.json")))
+    assert tok.token_to_id(tc["eos_token"]) == 1 and tok.token_to_id(tc["pad_token"]) == 0
+    model = load_hf_model(a.model_dir)
+    assert model.config.vocab_size == tok.get_vocab_size() and model.config.head_dim == 64
+    info = a.warm_start_info()
+    assert len(info["losses"]) == cfg.warm_start_steps and info["key"] == cfg.key()
+    mtime = os.path.getmtime(os.path.join(a.model_dir, "model.safetensors"))
+    again = build_demo(cfg, cache_dir=str(tmp_path), progress=False)
+    assert not again.built and again.root == a.root
+    assert os.path.getmtime(os.path.join(a.model_dir, "model.safetensors")) == mtime
+    # A changed setting is a different cache entry; no half-built temp dirs are left.
+    assert DemoConfig(**{**TINY, "seed": cfg.seed, "warm_start_steps": 4}).key() != cfg.key()
+    assert sorted(os.listdir(tmp_path)) == [cfg.key()]
+
+
+def test_main_job_smoke(tmp_path):
+    """Two steps on the tiny warm start through the real trainer, then the report (filtering off:
+    a 3-step warm start gets almost no mixed groups, and unlimited re-sampling would never end)."""
+    from dapo_trainer.report import write_report
+
+    run_dir = str(tmp_path / "run")
+    res = run_demo(seed=1, cache_dir=str(tmp_path / "cache"), run_dir=run_dir, progress=False,
+                   demo_config=DemoConfig(seed=1, **TINY),
+                   overrides=["trainer.total_training_steps=2", "trainer.save_freq=0", "data.gen_batch_size=4",
+                              "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                              "actor_rollout_ref.rollout.n=4", "algorithm.filter_groups.enable=false",  # an untrained model: no mixed groups
+                              "trainer.progress_bar=false", "trainer.logger=[console]"])
+    assert 0.0 <= res["before"] <= 1.0 and 0.0 <= res["after"] <= 1.0
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "val/acc" in rows[0] and "val/acc" in rows[-1]
+    assert os.path.isfile(write_report(run_dir))

@@ -111,20 +111,11 @@ def _first_position_reaching(count: torch.Tensor, n: int) -> torch.Tensor:
     return torch.searchsorted(count, targets)
 
 
-def _complement_rows(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Rows of ``[0, num_rows)`` not in ``indices``, ascending; sized on the host, no sync."""
-    is_pad = torch.ones(num_rows, dtype=torch.bool, device=indices.device)
-    is_pad[indices] = False
-    return _first_position_reaching(torch.cumsum(is_pad, 0), num_rows - indices.numel())
-
-
 @register("scatter_rows", "torch")
 def _scatter_rows_torch(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    # Each output row is written once: tokens copied, padding zero-filled, instead of a
-    # full zero fill followed by the copy (which writes the token rows twice).
-    out = x.new_empty((num_rows, x.shape[1]))
-    out.index_copy_(0, indices, x)
-    return out.index_fill_(0, _complement_rows(indices, num_rows), 0)
+    # Zero fill + index_copy_ measured fastest on the CPU (vs index_put_, a zero-row gather,
+    # and copy + index_fill_ of the complement).
+    return x.new_zeros((num_rows, x.shape[1])).index_copy_(0, indices, x)
 
 
 # --------------------------------------------------------------------------- custom ops

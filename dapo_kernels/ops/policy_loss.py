@@ -53,20 +53,30 @@ def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
 
 
 @triton.jit
+def _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok, W_STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets, bounds mask and the block's tokens as fp64 (mask as bool).
+
+    fp64 token math: free next to the loads, and the loss sums terms of both signs whose
+    fp32 rounding errors would dominate its error."""
+    o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m_t = o_t < n_tok
+    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float64)
+    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float64)
+    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float64)
+    b_m = tl.load(p_mask + o_t, mask=m_t, other=0) != 0
+    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float64)
+    return o_t, m_t, b_lp, b_old, b_adv, b_m, b_w
+
+
+@triton.jit
 def _policy_loss_fwd_kernel(
     p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_low, clip_high, clip_c,
     W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
-    o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m_t = o_t < n_tok
-    # fp64 token math: free next to the loads, and the loss sums terms of both signs
-    # whose fp32 rounding errors would dominate its error.
-    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float64)
-    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float64)
-    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float64)
-    b_m = (tl.load(p_mask + o_t, mask=m_t, other=0) != 0).to(tl.float64)
-    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float64)
+    o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
+                                                               W_STRIDE, BLOCK)
+    b_m = b_m.to(tl.float64)
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
     p_out = p_part + i_b.to(tl.int64) * 5
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
@@ -82,15 +92,8 @@ def _policy_loss_bwd_kernel(
     W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
-    o_t = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m_t = o_t < n_tok
-    # fp64 token math: free next to the loads, and the loss sums terms of both signs
-    # whose fp32 rounding errors would dominate its error.
-    b_lp = tl.load(p_lp + o_t, mask=m_t, other=0).to(tl.float64)
-    b_old = tl.load(p_old + o_t, mask=m_t, other=0).to(tl.float64)
-    b_adv = tl.load(p_adv + o_t, mask=m_t, other=0).to(tl.float64)
-    b_m = tl.load(p_mask + o_t, mask=m_t, other=0) != 0
-    b_w = tl.load(p_w + o_t * W_STRIDE, mask=m_t, other=0).to(tl.float64)
+    o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
+                                                               W_STRIDE, BLOCK)
     b_g = tl.load(p_g).to(tl.float64)
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
     b_grad = tl.where(b_m, b_g * b_w * b_dl, 0.0)

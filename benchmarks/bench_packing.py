@@ -4,6 +4,11 @@ nonzero() + gather / zeros + index_put, at B=64, S=4096, hidden=1024 fp32 (1 GiB
 The peer is flash-attn's bert_padding recipe re-expressed in plain torch: indices from
 nonzero(mask.flatten()), rows gathered with torch.gather over an index repeated across
 the hidden dimension, and padding by zero-fill + index_put.
+
+Both sides copy ~1 GiB; at that size a fresh output's first-touch page faults cost more than
+the copy itself. The torch path allocates its outputs on transparent huge pages
+(dapo_kernels._alloc.cpu_bulk_output: 512x fewer faults, and a fresh mapping is already
+zero, so pad needs no fill pass); DAPO_KERNELS_HUGEPAGES=0 turns that off for comparison.
 """
 import time
 

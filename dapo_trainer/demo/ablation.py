@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from typing import List, Optional
@@ -75,6 +76,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         if budget is not None:
             # Without filtering every step samples exactly train_batch_size prompts.
             ovr += [f"data.gen_batch_size={tbs}", f"trainer.total_training_steps={max(1, round(budget / (tbs * n)))}"]
+        if os.path.isdir(run_dir):  # a fresh run per rung: the trainer would resume a finished one
+            shutil.rmtree(run_dir)
         t0 = time.time()
         res = run_demo(seed=args.seed, config=args.config, cache_dir=args.cache_dir, run_dir=run_dir,
                        overrides=ovr, progress=False)

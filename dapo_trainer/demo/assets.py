@@ -9,9 +9,17 @@
 - ``train.jsonl`` / ``val.jsonl``: the task's rows (:mod:`.arithmetic`);
 - ``warm_start.json``: the supervised warm-start's settings and loss curve.
 
-The model is warm-started by a short supervised phase: deliberately short, so it leaves
-the model only partly competent and RL has groups with both right and wrong answers to
-learn from. The directory name is a hash of every setting (and :data:`ASSETS_VERSION`),
+The model is warm-started by a short supervised phase on *mixed-convention* data: a
+fraction ``warm_start_descending`` of the sorting demonstrations list the digits in
+descending order, the rest ascending, while the task's checker (the reward) accepts
+ascending only. Supervised data that mixes conventions or quality is the ordinary case;
+the warm-started model can sort both ways but greedily answers in the majority
+(descending) convention, so its held-out accuracy starts low, and its samples contain
+the rewarded convention often enough for RL to find it. What DAPO has to learn, from
+the reward alone, is which of the model's own behaviours the verifier wants. (Measured:
+on correct-only data the same model needs 400 supervised steps to reach 100% held-out;
+from a 50-step, 34% warm start, RL at these budgets moved greedy accuracy by < 5 points,
+while sampled answers sharpened onto the greedy ones.) The directory name is a hash of every setting (and :data:`ASSETS_VERSION`),
 so a second run with the same settings skips the build and a changed setting rebuilds.
 """
 from __future__ import annotations
@@ -36,7 +44,7 @@ from .arithmetic import CHARSET, TaskConfig, make_split, write_jsonl
 __all__ = ["DemoConfig", "DemoAssets", "build_demo", "build_tokenizer", "PAD", "EOS"]
 
 # Bump when the build changes in a way the settings do not capture.
-ASSETS_VERSION = 2
+ASSETS_VERSION = 3
 PAD, EOS = "<pad>", "<eos>"
 
 
@@ -56,9 +64,16 @@ class DemoConfig:
     head_dim: int = 64
     max_position_embeddings: int = 64
     # Supervised warm start (teacher forcing on the answer tokens only).
-    warm_start_steps: int = 50
+    warm_start_steps: int = 300
     warm_start_batch_size: int = 64
     warm_start_lr: float = 3e-3
+    # Fraction of the warm start's sorting demonstrations written in descending order
+    # (the checker wants ascending): the behaviour RL has to unlearn. 0 = correct data only.
+    warm_start_descending: float = 0.6
+
+    def __post_init__(self):
+        if not 0.0 <= self.warm_start_descending <= 1.0:
+            raise ValueError(f"DemoConfig.warm_start_descending must be in [0, 1], got {self.warm_start_descending!r}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -109,6 +124,17 @@ def _write_tokenizer(tok, model_dir: str) -> None:
 
 
 # --------------------------------------------------------------------------- warm start
+def warm_start_targets(problems, cfg: DemoConfig) -> List[str]:
+    """The supervised target of each problem: its answer, or for a seeded fraction
+    ``cfg.warm_start_descending`` of the sorting problems the digits in descending order."""
+    rng = random.Random(cfg.seed * 7919 + 17)
+    out = []
+    for p in problems:
+        desc = p.prompt.startswith("sort:") and rng.random() < cfg.warm_start_descending
+        out.append("".join(sorted(p.answer, reverse=True)) if desc else p.answer)
+    return out
+
+
 def _model_config(cfg: DemoConfig, vocab_size: int, eos_id: int, pad_id: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -190,7 +216,8 @@ def build_demo(cfg: DemoConfig = DemoConfig(), cache_dir: str = ".cache/dapo_dem
 
         tok = build_tokenizer()
         eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
-        encoded = [(tok.encode(p.prompt).ids, tok.encode(p.answer).ids + [eos]) for p in train]
+        encoded = [(tok.encode(p.prompt).ids, tok.encode(t).ids + [eos])
+                   for p, t in zip(train, warm_start_targets(train, cfg))]
         torch.manual_seed(cfg.seed)
         model = Transformer(_model_config(cfg, tok.get_vocab_size(), eos, pad)).init_weights()
         losses = warm_start(model, encoded, cfg, progress=progress)

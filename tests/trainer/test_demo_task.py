@@ -96,3 +96,22 @@ def test_main_job_smoke(tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2] and "val/acc" in rows[0] and "val/acc" in rows[-1]
     assert os.path.isfile(write_report(run_dir))
+
+
+def test_warm_start_targets_mix_conventions():
+    from dapo_trainer.demo.assets import warm_start_targets
+
+    task = TaskConfig(ops=("sort", "+"))
+    train, _ = make_split(task, random.randrange(1000), 4000, 10)
+    frac = random.uniform(0.2, 0.8)
+    cfg = DemoConfig(seed=random.randrange(100), task=task, warm_start_descending=frac)
+    targets = warm_start_targets(train, cfg)
+    assert targets == warm_start_targets(train, cfg)  # seeded
+    sorts = [(p, t) for p, t in zip(train, targets) if p.prompt.startswith("sort:")]
+    assert all(t == p.answer for p, t in zip(train, targets) if not p.prompt.startswith("sort:"))
+    assert all(t in (p.answer, p.answer[::-1]) for p, t in sorts)
+    desc = [t != p.answer for p, t in sorts if p.answer != p.answer[::-1]]
+    assert abs(sum(desc) / len(desc) - frac) < 0.05, (sum(desc) / len(desc), frac)
+    assert warm_start_targets(train, DemoConfig(task=task, warm_start_descending=0.0)) == [p.answer for p in train]
+    with pytest.raises(ValueError, match="warm_start_descending"):
+        DemoConfig(warm_start_descending=1.5)

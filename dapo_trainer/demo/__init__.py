@@ -6,10 +6,10 @@ the same task. :func:`run_demo` is the piece both share.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import List, Optional, Sequence
 
+from .. import metrics
 from .arithmetic import TaskConfig
 from .assets import DemoAssets, DemoConfig, build_demo
 
@@ -19,12 +19,11 @@ __all__ = ["run_demo", "DEFAULT_CONFIG", "read_metrics", "DemoConfig", "TaskConf
 
 
 def read_metrics(run_dir: str) -> List[dict]:
-    """The rows of ``run_dir/metrics.jsonl`` (one JSON object per logged step)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ValueError(f"{run_dir!r} has no metrics.jsonl; is it a trainer run directory?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of ``run_dir/metrics.jsonl`` (one JSON object per logged step); unlike
+    :func:`dapo_trainer.metrics.read_metrics`, a missing file is an error here."""
+    if not os.path.isfile(os.path.join(run_dir, metrics.METRICS_FILE)):
+        raise ValueError(f"{run_dir!r} has no {metrics.METRICS_FILE}; is it a trainer run directory?")
+    return metrics.read_metrics(run_dir)
 
 
 def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: str = ".cache/dapo_demo",

@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List
+from typing import List
 
 import torch
 
@@ -236,9 +236,3 @@ def build_demo(cfg: DemoConfig = DemoConfig(), cache_dir: str = ".cache/dapo_dem
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return DemoAssets(assets.root, assets.model_dir, assets.train_file, assets.val_file, built=True)
-
-
-def read_rows(path: str) -> List[Dict[str, str]]:
-    """The jsonl rows written by :func:`build_demo`."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -14,6 +14,7 @@ are zero-filled by the kernel, so a zeroed output costs no extra pass either.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 
@@ -74,10 +75,7 @@ def cpu_bulk_output(shape, *, dtype: torch.dtype, zeroed: bool = False) -> torch
     non-Linux hosts and ``DAPO_KERNELS_HUGEPAGES=0`` fall back to the default allocator.
     The memory is returned to the OS when the last tensor viewing it is freed.
     """
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
     if nbytes < _BULK_MIN_BYTES or not _bulk_enabled():
         if zeroed:
             return torch.zeros(shape, dtype=dtype)

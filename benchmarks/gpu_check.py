@@ -4,10 +4,11 @@ Run on a CUDA machine (the H200 lent through the device tool):
 
     python benchmarks/gpu_check.py            # all checks
     python benchmarks/gpu_check.py packing    # only checks whose name contains 'packing'
+    python benchmarks/gpu_check.py loss attention   # those two, in that order
 
 Each op family contributes ``benchmarks/gpu/check_<op>.py`` with a function
 ``run(report)``; this script discovers them, runs each under a time budget, and prints
-one table last (also written to ``$OUT/gpu_check.md`` when ``OUT`` is set). A failing
+one table last (also written to ``$OUT/gpu_check.md`` when ``OUT`` is set, after every check). A failing
 check is reported as a FAIL row and the others still run.
 """
 from __future__ import annotations
@@ -52,10 +53,11 @@ def main() -> int:
         f"triton {__import__('triton').__version__} | commit {_git_commit()}"
     )
     checks = sorted((HERE / "gpu").glob("check_*.py"))
+    if args.only:  # in the order given: put the checks that matter most first when time is short
+        checks = [p for o in args.only for p in checks if o in p.stem[len("check_"):]]
+        checks = list(dict.fromkeys(checks))
     for path in checks:
         name = path.stem[len("check_"):]
-        if args.only and not any(o in name for o in args.only):
-            continue
         t0 = time.time()
         print(f"== {name}", flush=True)
         try:
@@ -68,12 +70,17 @@ def main() -> int:
             report.add(name, "check crashed", status="FAIL", note=f"{type(e).__name__}: {e}"[:120])
         torch.cuda.empty_cache()
         print(f"   {name}: {time.time() - t0:.1f}s", flush=True)
+        _write(header, report)  # after every check: a run cut off by its time limit keeps what it measured
+    print("\n" + _write(header, report))
+    return 1 if report.failed else 0
+
+
+def _write(header: str, report: Report) -> str:
     table = header + "\n\n" + report.markdown()
-    print("\n" + table)
     out = os.environ.get("OUT")
     if out:
         pathlib.Path(out, "gpu_check.md").write_text(table + "\n")
-    return 1 if report.failed else 0
+    return table
 
 
 if __name__ == "__main__":

@@ -65,8 +65,8 @@ def _small():
                              num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, qkv_bias=True,
                              tie_word_embeddings=True, model_type="qwen2")
     return {
-        "attention": ({"(1024, 4096, 16384)": "(128, 256, 512)", "B, S = 16, 1024": "B, S = 2, 64"},
-                      dict(T_TOTAL=512, HQ=2, HKV=1, D=16)),
+        "attention": ({"(1024, 4096, 16384)": "(64, 128, 256)", "B, S = 16, 1024": "B, S = 2, 64"},
+                      dict(T_TOTAL=256, HQ=2, HKV=1, D=16)),
         "group_filter": ({"4096": "256", "131072": "512"}, dict(SIZES=(256, 1024))),
         "loss": ({}, dict(N=64, H=32, V=200, N_CHECK=16, B=4)),
         "model": ({"torch.randint(256, 2049, (16,))": "torch.randint(8, 33, (3,))",
@@ -76,39 +76,49 @@ def _small():
     }
 
 
+def check_names():
+    return [p.stem[len("check_"):] for p in sorted(HERE.glob("check_*.py"))]
+
+
+def run_check(name, report) -> None:
+    """Load ``check_<name>.py`` with the CPU substitutions and toy sizes, and run it."""
+    import gpu.common as common
+
+    path = HERE / f"check_{name}.py"
+    subs, attrs = _small().get(name, ({}, {}))
+    src = path.read_text().replace('"cuda"', '"cpu"').replace(".cuda()", ".cpu()")
+    for old, new in subs.items():
+        if old not in src:
+            raise SystemExit(f"smoke: {path.name} no longer contains {old!r}; update _small()")
+        src = src.replace(old, new)
+    mod = types.ModuleType(f"gpu_smoke_{name}")
+    mod.__file__ = str(path)
+    exec(compile(src, str(path), "exec"), mod.__dict__)
+    for k, v in attrs.items():
+        if not hasattr(mod, k):
+            raise SystemExit(f"smoke: {path.name} has no {k}; update _small()")
+        setattr(mod, k, v)
+    # One call per timing and no time budget: every path runs once, however slow the interpreter.
+    mod.__dict__["cuda_time_ms"] = _time_once
+    mod.__dict__["copy_bandwidth_gbs"] = common.copy_bandwidth_gbs
+    if hasattr(mod, "BUDGET_S"):
+        mod.BUDGET_S = float("inf")
+    mod.run(report)  # no try: a crash here is what the smoke run is for
+
+
 def main(argv) -> int:
     from gpu.common import Report
     import gpu.common as common
 
     _fake_cuda()
     common.copy_bandwidth_gbs = lambda nbytes=1 << 20: 1.0
-    small = _small()
     report = Report()
-    for path in sorted(HERE.glob("check_*.py")):
-        name = path.stem[len("check_"):]
+    for name in check_names():
         if argv and not any(a in name for a in argv):
             continue
-        subs, attrs = small.get(name, ({}, {}))
-        src = path.read_text().replace('"cuda"', '"cpu"').replace(".cuda()", ".cpu()")
-        for old, new in subs.items():
-            if old not in src:
-                raise SystemExit(f"smoke: {path.name} no longer contains {old!r}; update SMALL")
-            src = src.replace(old, new)
-        mod = types.ModuleType(f"gpu_smoke_{name}")
-        mod.__file__ = str(path)
-        exec(compile(src, str(path), "exec"), mod.__dict__)
-        for k, v in attrs.items():
-            if not hasattr(mod, k):
-                raise SystemExit(f"smoke: {path.name} has no {k}; update SMALL")
-            setattr(mod, k, v)
-        # One call per timing and no time budget: every path runs once, however slow the interpreter.
-        mod.__dict__["cuda_time_ms"] = _time_once
-        mod.__dict__["copy_bandwidth_gbs"] = common.copy_bandwidth_gbs
-        if hasattr(mod, "BUDGET_S"):
-            mod.BUDGET_S = float("inf")
         t0 = time.time()
         print(f"== {name}", flush=True)
-        mod.run(report)  # no try: a crash here is what the smoke run is for
+        run_check(name, report)
         print(f"   {name}: {time.time() - t0:.1f}s", flush=True)
     print("\n" + report.markdown())
     return 1 if report.failed else 0

@@ -71,17 +71,22 @@ def test_generates_from_saved_model(engine, embedded):
     assert torch.equal(greedy.response_ids, embedded.generate(prompts, 2, 12, temperature=0.0).response_ids)
 
 
+def _assert_log_probs_agree(name, policy, out, temperature):
+    """The engine's sampled-token log-probs vs ``dk.linear_log_probs`` recomputed by ``policy``."""
+    lp, *_ = recomputed_log_probs(policy, out, temperature)
+    diff = (lp - out.log_probs).abs()
+    # Shown with `pytest -s`: the figures recorded in benchmarks/RESULTS.md.
+    print(f"\nlog-prob agreement T={temperature} {name} vs dk.linear_log_probs recomputation: "
+          f"mean |diff| {diff.mean():.2e}, max {diff.max():.2e} ({diff.numel()} tokens)")
+    assert diff.mean() < 1e-4, f"{name}: mean |diff| {diff.mean():.2e} (max {diff.max():.2e})"
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_agree(engine, embedded, policy, temperature):
     prompts = random_prompts(4, 12, vocab=V)
     for name, eng in (("vllm", engine), ("embedded", embedded)):
-        out = eng.generate(prompts, 4, 24, temperature=temperature, seed=1)
-        lp, *_ = recomputed_log_probs(policy, out, temperature)
-        diff = (lp - out.log_probs).abs()
-        # Shown with `pytest -s`: the figures recorded in benchmarks/RESULTS.md.
-        print(f"\nlog-prob agreement T={temperature} {name} vs dk.linear_log_probs recomputation: "
-              f"mean |diff| {diff.mean():.2e}, max {diff.max():.2e} ({diff.numel()} tokens)")
-        assert diff.mean() < 1e-4, f"{name}: mean |diff| {diff.mean():.2e} (max {diff.max():.2e})"
+        _assert_log_probs_agree(name, policy, eng.generate(prompts, 4, 24, temperature=temperature, seed=1),
+                                temperature)
 
 
 def test_update_weights_changes_outputs(engine, policy):
@@ -97,12 +102,7 @@ def test_update_weights_changes_outputs(engine, policy):
         engine.update_weights(stepped)
         after = engine.generate(prompts, 1, 12, temperature=0.0)
         assert torch.equal(after.response_ids, want.response_ids)
-        sampled = engine.generate(prompts, 2, 12, seed=3)
-        lp, *_ = recomputed_log_probs(stepped, sampled, 1.0)
-        diff = (lp - sampled.log_probs).abs()
-        print(f"\nlog-prob agreement T=1.0 vllm after update_weights vs dk.linear_log_probs recomputation: "
-              f"mean |diff| {diff.mean():.2e}, max {diff.max():.2e} ({diff.numel()} tokens)")
-        assert diff.mean() < 1e-4, f"mean |diff| {diff.mean():.2e} (max {diff.max():.2e})"
+        _assert_log_probs_agree("vllm after update_weights", stepped, engine.generate(prompts, 2, 12, seed=3), 1.0)
     finally:
         engine.update_weights(policy)
     assert torch.equal(engine.generate(prompts, 1, 12, temperature=0.0).response_ids, before.response_ids)

@@ -52,7 +52,8 @@ def _logits(x: torch.Tensor, w32: torch.Tensor, inv_temp: float) -> torch.Tensor
 
 
 def linear_log_probs(hidden, weight, labels, temperature, entropy, vocab_start, group):
-    """fp32 ``(log_prob, entropy or zeros, lse)`` ``[N]``."""
+    """fp32 ``[N]`` log_prob and entropy (or zeros), and ``[2, N]`` (lse, entropy) for the backward,
+    fp64 by the op's contract (here fp32 values: the statistics are fp32 on the NPU)."""
     n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
     stats = hidden.new_empty((1, n, 4), dtype=torch.float32)
@@ -61,13 +62,15 @@ def linear_log_probs(hidden, weight, labels, temperature, entropy, vocab_start, 
         z = _logits(hidden[r0:r0 + step], w32, 1.0 / temperature)
         stats[0, r0:r0 + step] = _row_stats(z, labels[r0:r0 + step] - vocab_start, entropy)[0]
     lse, log_prob, ent = combine_stats(stats, group)
-    return log_prob, ent if entropy else torch.zeros_like(lse), lse
+    ent = ent if entropy else torch.zeros_like(lse)
+    return log_prob, ent, torch.stack([lse, ent]).double()
 
 
 def linear_log_probs_bwd(hidden, weight, labels, lse, ent, g_lp, g_ent, temperature, vocab_start, group):
     """``(dH in hidden's dtype, all-reduced over group; dW of this vocab shard)``, logits recomputed per chunk."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / temperature
+    lse, ent = lse.float(), ent.float()  # fp64 by the op's contract; fp32 [C, V] math here
     w32 = weight.float()
     d_h = hidden.new_empty(hidden.shape, dtype=torch.float32)
     d_w = torch.zeros_like(w32)

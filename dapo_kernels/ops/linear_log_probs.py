@@ -8,6 +8,11 @@ Per token ``i`` with logits ``z = hidden @ weight.T / temperature`` (fp32-accumu
   two large numbers);
 * ``d/dz_v = g_lp * (onehot_v - p_v) - g_ent * p_v * (z_v - lse + entropy)``.
 
+Matmuls accumulate in fp32 (``tl.dot`` / ``torch.mm``); ``lse``, ``entropy`` and ``log_prob``
+(``[N]`` vectors, cheap) stay fp64 from the row statistics into the loss head and the backward,
+and are returned in fp32: rounded to fp32 there, ``lse`` / ``entropy`` would be off by up to
+half an ulp of ~log V, the same for every vocab entry of a row, a coherent error in dH / dW.
+
 Four statistics per row (running max, sum-exp, sum-exp * z, target logit) are reduced
 online over vocab tiles, then over the vocab splits of the grid, then over the ranks of
 an optional vocab-parallel ``process_group`` with one MAX and one SUM all-reduce.
@@ -116,11 +121,19 @@ def _linear_log_probs_fwd_kernel(
 
 @triton.jit
 def _linear_log_probs_bwd_kernel(
-    p_h, p_w, p_lab, p_lse, p_ent, p_glp, p_gent, p_dz, N, V, H, vocab_start, inv_temp, v0, n_cols,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    p_h, p_w, p_lab, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dz, N, V, H, vocab_start, inv_temp,
+    v0, n_cols, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dz[:, v - v0] = d loss / d logits for vocab columns [v0, v0 + n_cols), recomputed."""
+    """dz[:, v - v0] = d loss / d logits for vocab columns [v0, v0 + n_cols), recomputed.
+
+    ``lse`` and ``c = lse - entropy`` come as fp32 pairs ``hi + lo`` of their fp64 values, so that
+    ``log p = (z - lse_hi) - lse_lo`` and ``log p + entropy = (z - c_hi) - c_lo`` carry only fp32
+    roundings relative to their own (small, where p is large) size: an fp32 ``lse`` or ``entropy``
+    would be off by up to half an ulp of ~log V, the same for every entry of a row (a coherent
+    error in dH / dW, and one that differs between vocab-sharded and unsharded runs). ``g_lp`` /
+    ``g_ent`` come with the temperature folded in (fp64, rounded once).
+    """
     i_m = tl.program_id(0)
     i_v = tl.program_id(1)
     o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -130,15 +143,16 @@ def _linear_log_probs_bwd_kernel(
     m_v = (o_c < n_cols) & (o_v < V)
     b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
     b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
-    b_lse = tl.load(p_lse + o_m, mask=m_m, other=0)
-    b_ent = tl.load(p_ent + o_m, mask=m_m, other=0)
+    b_lse_hi = tl.load(p_lse_hi + o_m, mask=m_m, other=0)
+    b_lse_lo = tl.load(p_lse_lo + o_m, mask=m_m, other=0)
+    b_c_hi = tl.load(p_c_hi + o_m, mask=m_m, other=0)
+    b_c_lo = tl.load(p_c_lo + o_m, mask=m_m, other=0)
     b_glp = tl.load(p_glp + o_m, mask=m_m, other=0)
     b_gent = tl.load(p_gent + o_m, mask=m_m, other=0)
-    b_lv = b_z - b_lse[:, None]
-    b_p = tl.exp(b_lv)
-    b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * (b_lv + b_ent[:, None]))
+    b_p = tl.exp((b_z - b_lse_hi[:, None]) - b_lse_lo[:, None])
+    b_q = (b_z - b_c_hi[:, None]) - b_c_lo[:, None]  # log p + entropy
+    b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * b_q)
     b_dz += tl.where(o_v[None, :] == b_lab[:, None], b_glp[:, None], 0.0)
-    b_dz = b_dz * inv_temp
     tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
              mask=m_m[:, None] & m_v[None, :])
 
@@ -241,21 +255,23 @@ def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, inv_temp: float, entropy:
     """d loss / d logits over the chunk's buffer, given ``e = exp(zc)`` and ``z = zc`` with
     ``log p = zc + shift`` per row (only ``e`` is read without ``entropy``).
 
-    ``dz = -p (g_lp + g_ent (log p + ent)) + onehot g_lp``, the temperature folded into per-row
-    factors: one pass over ``[C, V]`` without entropy, three with it.
+    ``dz = -p (g_lp + g_ent (log p + ent)) + onehot g_lp``, the temperature and ``exp(shift)`` folded
+    into per-row factors in fp64 (``shift`` / ``ent`` fp64 ``[C]``, each factor rounded once): one
+    pass over ``[C, V]`` without entropy, three with it.
     """
-    k = (torch.exp(shift) * -inv_temp).float()  # p = e * exp(shift)
+    k = torch.exp(shift.double()) * -inv_temp  # p = e * exp(shift)
     if entropy:
         # log p + ent first, as the chain rule through log_softmax groups it: both are ~log V,
         # their difference small, so summing the two products separately would cancel digits.
-        z.add_((shift + ent).float()[:, None])
-        dz = torch.addcmul((k * g_lp)[:, None], z, (k * g_ent)[:, None], out=z).mul_(e)
+        z.add_((shift.double() + ent.double()).float()[:, None])
+        dz = torch.addcmul((k * g_lp.double()).float()[:, None], z, (k * g_ent.double()).float()[:, None],
+                           out=z).mul_(e)
     else:
-        dz = e.mul_((k * g_lp)[:, None])
+        dz = e.mul_((k * g_lp.double()).float()[:, None])
     inside = (lab >= 0) & (lab < dz.shape[1])
     rows = torch.arange(dz.shape[0], device=dz.device)
-    dz.index_put_((rows, lab.clamp(0, dz.shape[1] - 1)), torch.where(inside, g_lp * inv_temp, 0.0),
-                  accumulate=True)
+    dz.index_put_((rows, lab.clamp(0, dz.shape[1] - 1)),
+                  torch.where(inside, (g_lp.double() * inv_temp).float(), 0.0), accumulate=True)
     return dz
 
 
@@ -302,13 +318,21 @@ def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
 
 @register("linear_log_probs_grads", "torch")
 def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
-    """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk."""
+    """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk.
+
+    ``lse`` / ``ent`` fp64: the logits are shifted by ``lse`` rounded to fp32, and the rest of it,
+    ``shift = fp32(lse) - lse`` (fp64), goes into the per-row factors, so ``log p`` carries no
+    row-coherent rounding of ``lse`` (nor ``log p + ent`` one of ``ent``).
+    """
     w32 = weight.float()
     entropy = bool(g_ent.any())
+    lse, ent = lse.double(), ent.double()
+    lse32 = lse.float()
+    shift = lse32.double() - lse
     d_h, d_w = _grad_buffers(hidden, weight)
     for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
-        torch.exp(_logits(x, w32, inv_temp, z).sub_(lse[sl, None]), out=e)  # z = log p, e = p
-        dz = _chunk_dlogits(z, e, labels[sl] - vocab_start, torch.zeros_like(lse[sl]), ent[sl], g_lp[sl], g_ent[sl],
+        torch.exp(_logits(x, w32, inv_temp, z).sub_(lse32[sl, None]), out=e)  # z = log p - shift, e = p / exp(shift)
+        dz = _chunk_dlogits(z, e, labels[sl] - vocab_start, shift[sl], ent[sl], g_lp[sl], g_ent[sl],
                             inv_temp, entropy)
         _accumulate_grads(dz, x, w32, d_h, d_w, sl)
     return d_h, d_w.to(weight.dtype)
@@ -346,15 +370,24 @@ def _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
     return stats
 
 
+def _hi_lo(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp64 ``x`` as fp32 ``hi + lo`` (``hi`` = x rounded, ``lo`` = the rest rounded: ~48 bits)."""
+    x = x.double()
+    hi = x.float()
+    return hi.contiguous(), (x - hi.double()).float().contiguous()
+
+
 @register("linear_log_probs_grads", "triton")
 def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
-    """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS."""
+    """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``lse`` /
+    ``ent`` fp64 (passed to the kernel as fp32 hi / lo pairs)."""
     hidden, weight = hidden.contiguous(), weight.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
     d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-    args = [t.float().contiguous() for t in (lse, ent, g_lp, g_ent)]
+    args = [*_hi_lo(lse), *_hi_lo(lse.double() - ent.double()),
+            *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent))]
     for v0 in range(0, v, cols):
         nc = min(cols, v - v0)
         dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
@@ -371,10 +404,10 @@ def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp,
 
 
 # --------------------------------------------------------------------------- loss head
-def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str):
-    """fp32 (verl ``kl_penalty`` value, its derivative w.r.t. ``log_prob``), elementwise."""
+def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str, dtype: torch.dtype = torch.float32):
+    """(verl ``kl_penalty`` value, its derivative w.r.t. ``log_prob``), elementwise, in ``dtype``."""
     base = kl_type[:-1] if kl_type.endswith("+") else kl_type
-    d = log_prob.float() - ref_log_prob.float()
+    d = log_prob.to(dtype) - ref_log_prob.to(dtype)
     if base in ("kl", "k1"):
         val, grad = d, torch.ones_like(d)
     elif base == "abs":
@@ -415,7 +448,7 @@ class _LossHead:
             ent_sum = torch.where(mask, wm * ent.double(), 0.0).sum()
             g_ent = -self.ent_coef * wm
         if self.kl_coef:
-            kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type)
+            kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type, torch.float64)
             kl_sum = torch.where(mask, wm * kl_val.double(), 0.0).sum()
             g_lp = g_lp + self.kl_coef * wm * kl_grad
         pg_sum = torch.where(mask, wm * loss, 0.0).sum()
@@ -439,11 +472,15 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
     for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
         lab = labels[sl] - vocab_start
         stats = _chunk_stats(x, w32, lab, inv_temp, z, e, entropy)
-        # fp64 lse and entropy: the softmax shift and log p + entropy below keep their digits.
-        lse, log_prob[sl], ent_c = combine_stats(stats[None], key, torch.float64)
+        # fp64 lse, entropy and log-prob: the softmax shift and log p + entropy below keep their
+        # digits, and the head's ratio / KL gradient see the log-prob before its fp32 rounding.
+        lse, lp, ent_c = combine_stats(stats[None], key, torch.float64)
+        log_prob[sl] = lp
         if entropy:
             ent[sl] = ent_c
-        g_lp, g_ent, part = head(log_prob[sl], ent[sl], sl)
+        else:
+            ent_c = torch.zeros_like(lp)
+        g_lp, g_ent, part = head(lp, ent_c, sl)
         sums += part
         if compute_grad:
             if entropy:
@@ -456,13 +493,16 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
 @register("fused_linear_policy_loss", "triton")
 def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
     """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
-    lse, log_prob, ent = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key)
+    # fp64 lse / entropy / log-prob into the head and the backward; fp32 outputs.
+    lse, log_prob, ent = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key,
+                                       torch.float64)
     ent = ent if entropy else torch.zeros_like(lse)
     g_lp, g_ent, sums = head(log_prob, ent, slice(None))
     if not compute_grad:
-        return sums, log_prob, ent, hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
-    d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent)
-    return sums, log_prob, ent, d_h, d_w
+        d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
+    else:
+        d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent)
+    return sums, log_prob.float(), ent.float(), d_h, d_w
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -470,23 +510,28 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
 def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
                          entropy: bool, vocab_start: int, group: str
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[N]`` (log_prob, entropy (zeros unless ``entropy``), lse)."""
+    """fp32 ``[N]`` log_prob, fp32 ``[N]`` entropy (zeros unless ``entropy``), and fp64 ``[2, N]``
+    (lse, entropy) for the backward: rounded to fp32 there, each would be off by up to half an ulp
+    of ~log V, the same for every vocab entry of a row (a coherent error in dH / dW)."""
     stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                               vocab_start, entropy)
-    lse, log_prob, ent = combine_stats(stats, group)
-    return log_prob, ent if entropy else torch.zeros_like(lse), lse
+    lse, log_prob, ent = combine_stats(stats, group, torch.float64)
+    ent = ent if entropy else torch.zeros_like(lse)
+    return log_prob.float(), ent.float(), torch.stack([lse, ent])
 
 
 @_linear_log_probs_op.register_fake
 def _(hidden, weight, labels, temperature, entropy, vocab_start, group):
-    return tuple(hidden.new_empty((hidden.shape[0],), dtype=torch.float32) for _ in range(3))
+    n = hidden.shape[0]
+    return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32),
+            hidden.new_empty((2, n), dtype=torch.float64))
 
 
 @torch.library.custom_op("dapo::linear_log_probs_bwd", mutates_args=())
 def _linear_log_probs_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                              ent: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor, temperature: float,
                              vocab_start: int, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard)."""
+    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard); ``lse`` / ``ent`` fp64."""
     d_h, d_w = dispatch("linear_log_probs_grads", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                                  vocab_start, lse, ent, g_lp, g_ent)
     return _all_reduce(d_h, group).to(hidden.dtype), d_w
@@ -499,14 +544,14 @@ def _(hidden, weight, labels, lse, ent, g_lp, g_ent, temperature, vocab_start, g
 
 def _llp_setup(ctx, inputs, output):
     hidden, weight, labels, temperature, entropy, vocab_start, group = inputs
-    ctx.save_for_backward(hidden, weight, labels, output[2], output[1])
+    ctx.save_for_backward(hidden, weight, labels, output[2])
     ctx.args = (temperature, vocab_start, group)
 
 
-def _llp_backward(ctx, g_lp, g_ent, g_lse):
-    hidden, weight, labels, lse, ent = ctx.saved_tensors
-    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, lse, ent, g_lp.float().contiguous(),
-                                        g_ent.float().contiguous(), *ctx.args)
+def _llp_backward(ctx, g_lp, g_ent, g_stats):
+    hidden, weight, labels, stats = ctx.saved_tensors
+    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, stats[0].contiguous(), stats[1].contiguous(),
+                                        g_lp.float().contiguous(), g_ent.float().contiguous(), *ctx.args)
     return d_h, d_w, None, None, None, None, None
 
 

@@ -106,11 +106,4 @@ def test_vocab_parallel_equals_unsharded(_seed_per_test):
     errors = mp.Manager().list()
     mp.spawn(_worker, args=(_free_port(), _seed_per_test, errors), nprocs=WORLD, join=True)
     errors = list(errors)
-    # Known gap (found 2026-11-29, not fixed yet): on some seeds the vocab-sharded weight gradient
-    # of rank 1 differs from the unsharded one by 2-3x plain torch's fp32 error (both backends),
-    # i.e. the sharded statistics combine loses digits there. Reported as xfail with the numbers
-    # until fixed; every other quantity, and dW on rank 0, must meet the rule.
-    known = [e for e in errors if e.startswith("rank 1") and (" dw:" in e or " fdw:" in e)]
-    assert not [e for e in errors if e not in known], "\n".join(errors)
-    if known:
-        pytest.xfail("known vocab-parallel dW precision gap on rank 1: " + "; ".join(known))
+    assert not errors, "\n".join(errors)

@@ -185,21 +185,56 @@ def _rescale(m_part, s_part, t_part, m):
     return s_part * scale, (t_part + shift) * scale
 
 
-def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 ``stats [S, N, 4]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks."""
+def exact_target(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_temp: float,
+                 vocab_start: int = 0) -> torch.Tensor:
+    """fp64 ``[N]`` target logits ``hidden_i . weight[label_i] * inv_temp`` summed in fp64 (0 where the
+    label lies outside this vocab shard): N*H work, chunked so the gathered rows stay ~32 MiB."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    out = torch.zeros(n, dtype=torch.float64, device=hidden.device)
+    step = max(1, (32 << 20) // (16 * max(h, 1)))
+    for r0 in range(0, n, step):
+        lab = labels[r0:r0 + step] - vocab_start
+        inside = (lab >= 0) & (lab < v)
+        rows = weight.index_select(0, lab.clamp(0, max(v - 1, 0))).double()
+        dot = torch.einsum("nh,nh->n", hidden[r0:r0 + step].double(), rows) * inv_temp
+        out[r0:r0 + step] = torch.where(inside, dot, 0.0)
+    return out
+
+
+def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32,
+                  target: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 ``stats [S, N, 4]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks.
+
+    ``target`` (optional, fp64 ``[N]``, from :func:`exact_target`): the target logit summed in fp64.
+    It replaces the fp32 target logit both in ``log_prob = z_t - lse`` and inside the sum-exp, so the
+    log-prob keeps only the rounding of the *other* logits, weighted by their probabilities. With
+    the fp32 target, the log-prob error is ~(1 - p_t) times the target logit's own rounding, and the
+    PPO ratio exp(log_prob - old) and the KL gradient pass it on to every per-token gradient.
+    """
     m_part = stats[..., 0]
     m_local = m_part.amax(0)
     m_local = torch.where(torch.isfinite(m_local), m_local, torch.zeros_like(m_local))
     s, t = _rescale(m_part, stats[..., 1], stats[..., 2], m_local)
-    sums = torch.stack([s.sum(0), t.sum(0), stats[..., 3].sum(0)])
+    rows = [s.sum(0), t.sum(0), stats[..., 3].sum(0)]
+    if target is not None:
+        rows.append(target.double())  # one all-reduce for all of them
+    sums = torch.stack(rows)
     if key:
         m = _all_reduce(m_local.clone(), key, "max")
         sums[0], sums[1] = _rescale(m_local, sums[0], sums[1], m)
         m_local = m
-    s, t, tgt = _all_reduce(sums, key)
+    sums = _all_reduce(sums, key)
+    s, t, tgt = sums[0], sums[1], sums[2]
     log_s = torch.log(s)
-    return (m_local + log_s).to(dtype), ((tgt - m_local) - log_s).to(dtype), (log_s - t / s).to(dtype)
+    log_prob = (tgt - m_local) - log_s
+    if target is not None:
+        # sum-exp with exp(tgt - m) swapped for exp(exact - m): log s' = log s + log1p(p_t * expm1(delta)).
+        # lse itself stays the fp32 logits' own: the backward's softmax over recomputed fp32 logits
+        # must sum to one with it.
+        exact = sums[3]
+        log_prob = (exact - m_local) - (log_s + torch.log1p(torch.exp(log_prob) * torch.expm1(exact - tgt)))
+    return (m_local + log_s).to(dtype), log_prob.to(dtype), (log_s - t / s).to(dtype)
 
 
 # --------------------------------------------------------------------------- torch backend
@@ -474,7 +509,8 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
         stats = _chunk_stats(x, w32, lab, inv_temp, z, e, entropy)
         # fp64 lse, entropy and log-prob: the softmax shift and log p + entropy below keep their
         # digits, and the head's ratio / KL gradient see the log-prob before its fp32 rounding.
-        lse, lp, ent_c = combine_stats(stats[None], key, torch.float64)
+        lse, lp, ent_c = combine_stats(stats[None], key, torch.float64,
+                                       exact_target(hidden[sl], weight, labels[sl], inv_temp, vocab_start))
         log_prob[sl] = lp
         if entropy:
             ent[sl] = ent_c
@@ -495,7 +531,7 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
     """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
     # fp64 lse / entropy / log-prob into the head and the backward; fp32 outputs.
     lse, log_prob, ent = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key,
-                                       torch.float64)
+                                       torch.float64, exact_target(hidden, weight, labels, inv_temp, vocab_start))
     ent = ent if entropy else torch.zeros_like(lse)
     g_lp, g_ent, sums = head(log_prob, ent, slice(None))
     if not compute_grad:
@@ -515,7 +551,8 @@ def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     of ~log V, the same for every vocab entry of a row (a coherent error in dH / dW)."""
     stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                               vocab_start, entropy)
-    lse, log_prob, ent = combine_stats(stats, group, torch.float64)
+    lse, log_prob, ent = combine_stats(stats, group, torch.float64,
+                                       exact_target(hidden, weight, labels, 1.0 / temperature, vocab_start))
     ent = ent if entropy else torch.zeros_like(lse)
     return log_prob.float(), ent.float(), torch.stack([lse, ent])
 

@@ -10,7 +10,6 @@ GPU's numerics: only that every code path runs and the correctness checks hold a
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import sys

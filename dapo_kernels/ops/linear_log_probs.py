@@ -237,6 +237,11 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
     return (m_local + log_s).to(dtype), log_prob.to(dtype), (log_s - t / s).to(dtype)
 
 
+def _row_results(stats, key, hidden, weight, labels, inv_temp: float, vocab_start: int):
+    """fp64 ``(lse, log_prob, entropy)`` of ``hidden``'s rows, the log-prob with the fp64 target logit."""
+    return combine_stats(stats, key, torch.float64, exact_target(hidden, weight, labels, inv_temp, vocab_start))
+
+
 # --------------------------------------------------------------------------- torch backend
 def _chunk_rows(n_cols: int, n_rows: int, n_buffers: int = 1) -> int:
     return max(1, min(n_rows, _TORCH_CHUNK_BYTES // (4 * n_buffers * max(n_cols, 1))))
@@ -294,11 +299,11 @@ def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, inv_temp: float, entropy:
     into per-row factors in fp64 (``shift`` / ``ent`` fp64 ``[C]``, each factor rounded once): one
     pass over ``[C, V]`` without entropy, three with it.
     """
-    k = torch.exp(shift.double()) * -inv_temp  # p = e * exp(shift)
+    k = torch.exp(shift) * -inv_temp  # p = e * exp(shift)
     if entropy:
         # log p + ent first, as the chain rule through log_softmax groups it: both are ~log V,
         # their difference small, so summing the two products separately would cancel digits.
-        z.add_((shift.double() + ent.double()).float()[:, None])
+        z.add_((shift + ent).float()[:, None])
         dz = torch.addcmul((k * g_lp.double()).float()[:, None], z, (k * g_ent.double()).float()[:, None],
                            out=z).mul_(e)
     else:
@@ -509,8 +514,7 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
         stats = _chunk_stats(x, w32, lab, inv_temp, z, e, entropy)
         # fp64 lse, entropy and log-prob: the softmax shift and log p + entropy below keep their
         # digits, and the head's ratio / KL gradient see the log-prob before its fp32 rounding.
-        lse, lp, ent_c = combine_stats(stats[None], key, torch.float64,
-                                       exact_target(hidden[sl], weight, labels[sl], inv_temp, vocab_start))
+        lse, lp, ent_c = _row_results(stats[None], key, hidden[sl], weight, labels[sl], inv_temp, vocab_start)
         log_prob[sl] = lp
         if entropy:
             ent[sl] = ent_c
@@ -530,8 +534,8 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
 def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
     """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
     # fp64 lse / entropy / log-prob into the head and the backward; fp32 outputs.
-    lse, log_prob, ent = combine_stats(_stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy), key,
-                                       torch.float64, exact_target(hidden, weight, labels, inv_temp, vocab_start))
+    stats = _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy)
+    lse, log_prob, ent = _row_results(stats, key, hidden, weight, labels, inv_temp, vocab_start)
     ent = ent if entropy else torch.zeros_like(lse)
     g_lp, g_ent, sums = head(log_prob, ent, slice(None))
     if not compute_grad:
@@ -551,8 +555,7 @@ def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     of ~log V, the same for every vocab entry of a row (a coherent error in dH / dW)."""
     stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                               vocab_start, entropy)
-    lse, log_prob, ent = combine_stats(stats, group, torch.float64,
-                                       exact_target(hidden, weight, labels, 1.0 / temperature, vocab_start))
+    lse, log_prob, ent = _row_results(stats, group, hidden, weight, labels, 1.0 / temperature, vocab_start)
     ent = ent if entropy else torch.zeros_like(lse)
     return log_prob.float(), ent.float(), torch.stack([lse, ent])
 

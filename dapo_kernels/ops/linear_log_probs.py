@@ -12,6 +12,9 @@ Matmuls accumulate in fp32 (``tl.dot`` / ``torch.mm``); ``lse``, ``entropy`` and
 (``[N]`` vectors, cheap) stay fp64 from the row statistics into the loss head and the backward,
 and are returned in fp32: rounded to fp32 there, ``lse`` / ``entropy`` would be off by up to
 half an ulp of ~log V, the same for every vocab entry of a row, a coherent error in dH / dW.
+The target logit is summed in fp64 (an N x H dot), and both the log-prob and the backward's
+target entry ``dz[label]`` come from it: that one entry carries most of a row's gradient, and
+an fp32 target logit would put its rounding, times ``p_t``, on every entry of the row.
 
 Four statistics per row (running max, sum-exp, sum-exp * z, target logit) are reduced
 online over vocab tiles, then over the vocab splits of the grid, then over the ranks of
@@ -121,7 +124,7 @@ def _linear_log_probs_fwd_kernel(
 
 @triton.jit
 def _linear_log_probs_bwd_kernel(
-    p_h, p_w, p_lab, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dz, N, V, H, vocab_start, inv_temp,
+    p_h, p_w, p_lab, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dzt, p_dz, N, V, H, vocab_start, inv_temp,
     v0, n_cols, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -132,7 +135,8 @@ def _linear_log_probs_bwd_kernel(
     roundings relative to their own (small, where p is large) size: an fp32 ``lse`` or ``entropy``
     would be off by up to half an ulp of ~log V, the same for every entry of a row (a coherent
     error in dH / dW, and one that differs between vocab-sharded and unsharded runs). ``g_lp`` /
-    ``g_ent`` come with the temperature folded in (fp64, rounded once).
+    ``g_ent`` come with the temperature folded in (fp64, rounded once); the target entry is
+    ``dzt`` (fp32 ``[N]``, from the fp64 log-prob), not recomputed from the fp32 target logit.
     """
     i_m = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -149,10 +153,11 @@ def _linear_log_probs_bwd_kernel(
     b_c_lo = tl.load(p_c_lo + o_m, mask=m_m, other=0)
     b_glp = tl.load(p_glp + o_m, mask=m_m, other=0)
     b_gent = tl.load(p_gent + o_m, mask=m_m, other=0)
+    b_dzt = tl.load(p_dzt + o_m, mask=m_m, other=0)
     b_p = tl.exp((b_z - b_lse_hi[:, None]) - b_lse_lo[:, None])
     b_q = (b_z - b_c_hi[:, None]) - b_c_lo[:, None]  # log p + entropy
     b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * b_q)
-    b_dz += tl.where(o_v[None, :] == b_lab[:, None], b_glp[:, None], 0.0)
+    b_dz = tl.where(o_v[None, :] == b_lab[:, None], b_dzt[:, None], b_dz)
     tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
              mask=m_m[:, None] & m_v[None, :])
 
@@ -211,6 +216,9 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
     log-prob keeps only the rounding of the *other* logits, weighted by their probabilities. With
     the fp32 target, the log-prob error is ~(1 - p_t) times the target logit's own rounding, and the
     PPO ratio exp(log_prob - old) and the KL gradient pass it on to every per-token gradient.
+    The returned ``lse`` is then the one of the fp32 logits with the exact target logit swapped
+    in: the backward's softmax sums to one with it when its target entry comes from
+    ``log_prob`` (:func:`_target_dlogit`) and the others from recomputed fp32 logits.
     """
     m_part = stats[..., 0]
     m_local = m_part.amax(0)
@@ -228,18 +236,31 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
     s, t, tgt = sums[0], sums[1], sums[2]
     log_s = torch.log(s)
     log_prob = (tgt - m_local) - log_s
+    ent = log_s - t / s
     if target is not None:
         # sum-exp with exp(tgt - m) swapped for exp(exact - m): log s' = log s + log1p(p_t * expm1(delta)).
-        # lse itself stays the fp32 logits' own: the backward's softmax over recomputed fp32 logits
-        # must sum to one with it.
+        # The entropy keeps the fp32 target: its error is p_t * delta * (log p_t + entropy), small.
         exact = sums[3]
-        log_prob = (exact - m_local) - (log_s + torch.log1p(torch.exp(log_prob) * torch.expm1(exact - tgt)))
-    return (m_local + log_s).to(dtype), log_prob.to(dtype), (log_s - t / s).to(dtype)
+        log_s = log_s + torch.log1p(torch.exp(log_prob) * torch.expm1(exact - tgt))
+        log_prob = (exact - m_local) - log_s
+    return (m_local + log_s).to(dtype), log_prob.to(dtype), ent.to(dtype)
 
 
 def _row_results(stats, key, hidden, weight, labels, inv_temp: float, vocab_start: int):
     """fp64 ``(lse, log_prob, entropy)`` of ``hidden``'s rows, the log-prob with the fp64 target logit."""
     return combine_stats(stats, key, torch.float64, exact_target(hidden, weight, labels, inv_temp, vocab_start))
+
+
+def _target_dlogit(log_prob, ent, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+    """fp64 ``[N]`` d loss / d (raw) target logit, ``dz[label]``, from the fp64 ``log_prob`` / ``ent``.
+
+    ``g_lp (1 - p_t) - g_ent p_t (log p_t + ent)``, times the temperature factor: ``1 - p_t`` as
+    ``-expm1(log p_t)``, so a likely target keeps its digits (``g_lp - g_lp p_t`` in fp32 would
+    cancel them), and no rounding of an fp32 target logit enters through ``p_t``.
+    """
+    lp = log_prob.double()
+    p_t = torch.exp(lp)
+    return (-g_lp.double() * torch.expm1(lp) - g_ent.double() * p_t * (lp + ent.double())) * inv_temp
 
 
 # --------------------------------------------------------------------------- torch backend
@@ -291,13 +312,14 @@ def _chunk_stats(x, w32, lab, inv_temp: float, z, e, entropy: bool) -> torch.Ten
     return torch.stack([m, s, t, tgt], dim=1).double()
 
 
-def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, inv_temp: float, entropy: bool) -> torch.Tensor:
+def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, dz_t, inv_temp: float, entropy: bool) -> torch.Tensor:
     """d loss / d logits over the chunk's buffer, given ``e = exp(zc)`` and ``z = zc`` with
     ``log p = zc + shift`` per row (only ``e`` is read without ``entropy``).
 
-    ``dz = -p (g_lp + g_ent (log p + ent)) + onehot g_lp``, the temperature and ``exp(shift)`` folded
-    into per-row factors in fp64 (``shift`` / ``ent`` fp64 ``[C]``, each factor rounded once): one
-    pass over ``[C, V]`` without entropy, three with it.
+    ``dz = -p (g_lp + g_ent (log p + ent))`` off the target, the temperature and ``exp(shift)``
+    folded into per-row factors in fp64 (``shift`` / ``ent`` fp64 ``[C]``, each factor rounded
+    once): one pass over ``[C, V]`` without entropy, three with it. The target entry is
+    ``dz_t`` (fp64 ``[C]``, :func:`_target_dlogit`).
     """
     k = torch.exp(shift) * -inv_temp  # p = e * exp(shift)
     if entropy:
@@ -309,9 +331,9 @@ def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, inv_temp: float, entropy:
     else:
         dz = e.mul_((k * g_lp.double()).float()[:, None])
     inside = (lab >= 0) & (lab < dz.shape[1])
-    rows = torch.arange(dz.shape[0], device=dz.device)
-    dz.index_put_((rows, lab.clamp(0, dz.shape[1] - 1)),
-                  torch.where(inside, (g_lp.double() * inv_temp).float(), 0.0), accumulate=True)
+    idx = (torch.arange(dz.shape[0], device=dz.device), lab.clamp(0, dz.shape[1] - 1))
+    # Rows whose target lies in another vocab shard write their own entry back (no host sync).
+    dz.index_put_(idx, torch.where(inside, dz_t.float(), dz[idx]))
     return dz
 
 
@@ -357,22 +379,24 @@ def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
 
 
 @register("linear_log_probs_grads", "torch")
-def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
+def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, ent, log_prob, g_lp, g_ent):
     """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk.
 
-    ``lse`` / ``ent`` fp64: the logits are shifted by ``lse`` rounded to fp32, and the rest of it,
-    ``shift = fp32(lse) - lse`` (fp64), goes into the per-row factors, so ``log p`` carries no
-    row-coherent rounding of ``lse`` (nor ``log p + ent`` one of ``ent``).
+    ``lse`` / ``ent`` / ``log_prob`` fp64 (:func:`combine_stats` with the exact target): the logits
+    are shifted by ``lse`` rounded to fp32, and the rest of it, ``shift = fp32(lse) - lse`` (fp64),
+    goes into the per-row factors, so ``log p`` carries no row-coherent rounding of ``lse`` (nor
+    ``log p + ent`` one of ``ent``).
     """
     w32 = weight.float()
     entropy = bool(g_ent.any())
     lse, ent = lse.double(), ent.double()
     lse32 = lse.float()
     shift = lse32.double() - lse
+    dz_t = _target_dlogit(log_prob, ent, g_lp, g_ent, inv_temp)
     d_h, d_w = _grad_buffers(hidden, weight)
     for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
         torch.exp(_logits(x, w32, inv_temp, z).sub_(lse32[sl, None]), out=e)  # z = log p - shift, e = p / exp(shift)
-        dz = _chunk_dlogits(z, e, labels[sl] - vocab_start, shift[sl], ent[sl], g_lp[sl], g_ent[sl],
+        dz = _chunk_dlogits(z, e, labels[sl] - vocab_start, shift[sl], ent[sl], g_lp[sl], g_ent[sl], dz_t[sl],
                             inv_temp, entropy)
         _accumulate_grads(dz, x, w32, d_h, d_w, sl)
     return d_h, d_w.to(weight.dtype)
@@ -418,16 +442,17 @@ def _hi_lo(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 @register("linear_log_probs_grads", "triton")
-def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent):
+def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, log_prob, g_lp, g_ent):
     """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``lse`` /
-    ``ent`` fp64 (passed to the kernel as fp32 hi / lo pairs)."""
+    ``ent`` fp64 (passed to the kernel as fp32 hi / lo pairs), ``log_prob`` fp64 for the target entry."""
     hidden, weight = hidden.contiguous(), weight.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
     d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
     args = [*_hi_lo(lse), *_hi_lo(lse.double() - ent.double()),
-            *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent))]
+            *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent)),
+            _target_dlogit(log_prob, ent, g_lp, g_ent, inv_temp).float().contiguous()]
     for v0 in range(0, v, cols):
         nc = min(cols, v - v0)
         dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
@@ -525,7 +550,8 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
         if compute_grad:
             if entropy:
                 torch.exp(z, out=e)
-            dz = _chunk_dlogits(z, e, lab, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
+            dz = _chunk_dlogits(z, e, lab, stats[:, 0] - lse, ent_c, g_lp, g_ent,
+                                _target_dlogit(lp, ent_c, g_lp, g_ent, inv_temp), inv_temp, entropy)
             _accumulate_grads(dz, x, w32, d_h, d_w, sl, (g_lp != 0) | (g_ent != 0))
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
 
@@ -541,7 +567,7 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
     if not compute_grad:
         d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
     else:
-        d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, g_lp, g_ent)
+        d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, log_prob, g_lp, g_ent)
     return sums, log_prob.float(), ent.float(), d_h, d_w
 
 
@@ -550,35 +576,37 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
 def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
                          entropy: bool, vocab_start: int, group: str
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[N]`` log_prob, fp32 ``[N]`` entropy (zeros unless ``entropy``), and fp64 ``[2, N]``
-    (lse, entropy) for the backward: rounded to fp32 there, each would be off by up to half an ulp
-    of ~log V, the same for every vocab entry of a row (a coherent error in dH / dW)."""
+    """fp32 ``[N]`` log_prob, fp32 ``[N]`` entropy (zeros unless ``entropy``), and fp64 ``[3, N]``
+    (lse, entropy, log_prob) for the backward: rounded to fp32 there, lse / entropy would be off by
+    up to half an ulp of ~log V, the same for every vocab entry of a row (a coherent error in dH /
+    dW), and the target entry would lose the fp64 log-prob's digits."""
     stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                               vocab_start, entropy)
     lse, log_prob, ent = _row_results(stats, group, hidden, weight, labels, 1.0 / temperature, vocab_start)
     ent = ent if entropy else torch.zeros_like(lse)
-    return log_prob.float(), ent.float(), torch.stack([lse, ent])
+    return log_prob.float(), ent.float(), torch.stack([lse, ent, log_prob])
 
 
 @_linear_log_probs_op.register_fake
 def _(hidden, weight, labels, temperature, entropy, vocab_start, group):
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32),
-            hidden.new_empty((2, n), dtype=torch.float64))
+            hidden.new_empty((3, n), dtype=torch.float64))
 
 
 @torch.library.custom_op("dapo::linear_log_probs_bwd", mutates_args=())
 def _linear_log_probs_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                             ent: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor, temperature: float,
-                             vocab_start: int, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard); ``lse`` / ``ent`` fp64."""
+                             ent: torch.Tensor, log_prob: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor,
+                             temperature: float, vocab_start: int, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard); ``lse`` / ``ent`` /
+    ``log_prob`` fp64."""
     d_h, d_w = dispatch("linear_log_probs_grads", hidden.device)(hidden, weight, labels, 1.0 / temperature,
-                                                                 vocab_start, lse, ent, g_lp, g_ent)
+                                                                 vocab_start, lse, ent, log_prob, g_lp, g_ent)
     return _all_reduce(d_h, group).to(hidden.dtype), d_w
 
 
 @_linear_log_probs_bwd_op.register_fake
-def _(hidden, weight, labels, lse, ent, g_lp, g_ent, temperature, vocab_start, group):
+def _(hidden, weight, labels, lse, ent, log_prob, g_lp, g_ent, temperature, vocab_start, group):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
@@ -590,7 +618,7 @@ def _llp_setup(ctx, inputs, output):
 
 def _llp_backward(ctx, g_lp, g_ent, g_stats):
     hidden, weight, labels, stats = ctx.saved_tensors
-    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, stats[0].contiguous(), stats[1].contiguous(),
+    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, *(s.contiguous() for s in stats),
                                         g_lp.float().contiguous(), g_ent.float().contiguous(), *ctx.args)
     return d_h, d_w, None, None, None, None, None
 

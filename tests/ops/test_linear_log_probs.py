@@ -35,11 +35,27 @@ def _llp_vocab_chunks(hidden, weight, labels, temperature=1.0, cols=64):
     return logp_all.gather(-1, labels[:, None].long())[:, 0], entropy
 
 
+def _llp_reordered_hidden(hidden, weight, labels, temperature=1.0, shift=None):
+    """linear_log_probs_ref with the hidden dimension summed in another order (rolled by ``shift``,
+    reversed when None): the same math, an independent fp32 rounding of every logit."""
+    def order(t):
+        return t.flip(-1) if shift is None else t.roll(shift, -1)
+    return linear_log_probs_ref(order(hidden), order(weight), labels, temperature)
+
+
+def _llp_rolled_hidden(hidden, weight, labels, temperature=1.0):
+    return _llp_reordered_hidden(hidden, weight, labels, temperature, shift=hidden.shape[-1] // 2 + 1)
+
+
 # Plain torch's usual ways to compute log-probs / entropy. At these sizes each output's max error is
-# the max of a handful of heavy-tailed rounding errors, and one summation order can be lucky
-# (dW's ratio between two orders reaches 3.5x over 30 seeds); torch's own error for the tolerance
-# is the least accurate of these, as tests/ops/test_varlen_attention.py's _torch_in_dtype does.
-TORCH_WAYS = (linear_log_probs_ref, _llp_token_chunks, _llp_scaled_weight, _llp_vocab_chunks)
+# the max of a handful of heavy-tailed rounding errors - often one token's, whose gradient dwarfs
+# the others' - and one summation order can be lucky (dW's ratio between two orders reaches 3.5x
+# over 30 seeds); torch's own error for the tolerance is the least accurate of these, as
+# tests/ops/test_varlen_attention.py's _torch_in_dtype does. The first four share most of their
+# logits' rounding (same hidden-dim order); the last two sum the hidden dimension in other orders,
+# so the set samples that rounding three times instead of once.
+TORCH_WAYS = (linear_log_probs_ref, _llp_token_chunks, _llp_scaled_weight, _llp_vocab_chunks,
+              _llp_reordered_hidden, _llp_rolled_hidden)
 
 
 def worst_of(candidates, refs):

@@ -52,7 +52,8 @@ def _logits(x: torch.Tensor, w32: torch.Tensor, inv_temp: float) -> torch.Tensor
 
 
 def linear_log_probs(hidden, weight, labels, temperature, entropy, vocab_start, group):
-    """fp32 ``[N]`` log_prob and entropy (or zeros), and ``[3, N]`` (lse, entropy, log_prob) for the backward,
+    """fp32 ``[N]`` log_prob and entropy (or zeros), and ``[5, N]`` rows (lse, entropy, log_prob, then two
+    rows the NPU backward does not use: zeros) for the backward,
     fp64 by the op's contract (here fp32 values: the statistics are fp32 on the NPU)."""
     n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
@@ -63,17 +64,17 @@ def linear_log_probs(hidden, weight, labels, temperature, entropy, vocab_start, 
         stats[0, r0:r0 + step] = _row_stats(z, labels[r0:r0 + step] - vocab_start, entropy)[0]
     lse, log_prob, ent = combine_stats(stats, group)
     ent = ent if entropy else torch.zeros_like(lse)
-    return log_prob, ent, torch.stack([lse, ent, log_prob]).double()
+    return log_prob, ent, torch.cat([torch.stack([lse, ent, log_prob]), lse.new_zeros((2, n))]).double()
 
 
-def linear_log_probs_bwd(hidden, weight, labels, lse, ent, log_prob, g_lp, g_ent, temperature, vocab_start, group):
+def linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temperature, vocab_start, group):
     """``(dH in hidden's dtype, all-reduced over group; dW of this vocab shard)``, logits recomputed per chunk.
 
-    ``log_prob`` is unused: with fp32 statistics, the target entry comes from the recomputed
-    logits like every other one (the CUDA / CPU paths take it from the fp64 log-prob)."""
+    Only ``rows``' lse and entropy are read: with fp32 statistics, the target entry comes from the
+    recomputed logits like every other one (the CUDA / CPU paths refine it and the argmax's in fp64)."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / temperature
-    lse, ent = lse.float(), ent.float()  # fp64 by the op's contract; fp32 [C, V] math here
+    lse, ent = rows[0].float(), rows[1].float()  # fp64 by the op's contract; fp32 [C, V] math here
     w32 = weight.float()
     d_h = hidden.new_empty(hidden.shape, dtype=torch.float32)
     d_w = torch.zeros_like(w32)

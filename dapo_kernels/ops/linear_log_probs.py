@@ -12,12 +12,14 @@ Matmuls accumulate in fp32 (``tl.dot`` / ``torch.mm``); ``lse``, ``entropy`` and
 (``[N]`` vectors, cheap) stay fp64 from the row statistics into the loss head and the backward,
 and are returned in fp32: rounded to fp32 there, ``lse`` / ``entropy`` would be off by up to
 half an ulp of ~log V, the same for every vocab entry of a row, a coherent error in dH / dW.
-The target logit is summed in fp64 (an N x H dot), and both the log-prob and the backward's
-target entry ``dz[label]`` come from it: that one entry carries most of a row's gradient, and
-an fp32 target logit would put its rounding, times ``p_t``, on every entry of the row.
+Two logits per row are summed in fp64 (N x H dots): the target's and the largest one's. The
+log-prob's error is the probability-weighted rounding of the logits, and these two usually carry
+most of it: the target's, times ``1 - p_t``, and the argmax's, times ``p_max``. Both enter ``lse``
+and the log-prob, and the backward takes its ``dz`` entries for them from the same fp64 values,
+so the row's softmax still sums to one.
 
-Four statistics per row (running max, sum-exp, sum-exp * z, target logit) are reduced
-online over vocab tiles, then over the vocab splits of the grid, then over the ranks of
+Five statistics per row (running max, sum-exp, sum-exp * z, target logit, argmax index) are
+reduced online over vocab tiles, then over the vocab splits of the grid, then over the ranks of
 an optional vocab-parallel ``process_group`` with one MAX and one SUM all-reduce.
 
 Backends: ``torch`` (CPU) walks chunks of tokens with a ``[chunk, V]`` fp32 logits buffer;
@@ -52,8 +54,9 @@ _TRITON_DZ_BYTES = 1 << 30
 # Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64.
 _BLOCK_M, _BLOCK_V, _BLOCK_K = 64, 128, 64
 _NUM_WARPS = 8
-# Row statistics: running max, sum exp(z - max), sum exp(z - max) * (z - max), target logit.
-_NUM_STATS = 4
+# Row statistics: running max, sum exp(z - max), sum exp(z - max) * (z - max), target logit,
+# index of the max (within this vocab shard; the first on ties).
+_NUM_STATS = 5
 # Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
 # #tokens, entropy, kl (each weighted like the loss except the counts).
 _NUM_SUMS = 8
@@ -83,9 +86,9 @@ def _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp,
 def _linear_log_probs_fwd_kernel(
     p_h, p_w, p_lab, p_stats, N, V, H, vocab_start, inv_temp, tiles_per_split,
     ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, NUM_STATS: tl.constexpr,
 ):
-    """Online row statistics over this program's vocab split -> stats[i_s, rows, 0:4]."""
+    """Online row statistics over this program's vocab split -> stats[i_s, rows, 0:NUM_STATS]."""
     i_m = tl.program_id(0)
     i_s = tl.program_id(1)
     o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -96,6 +99,7 @@ def _linear_log_probs_fwd_kernel(
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float64)
     b_t = tl.zeros([BLOCK_M], dtype=tl.float64)
     b_tgt = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_arg = tl.zeros([BLOCK_M], dtype=tl.int64)
     for t in range(0, tiles_per_split):
         o_v = (i_s.to(tl.int64) * tiles_per_split + t) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
         m_v = o_v < V
@@ -103,7 +107,11 @@ def _linear_log_probs_fwd_kernel(
         b_z = tl.where(m_v[None, :], b_z, float("-inf"))
         # m_v too: a label of another rank's shard may point past this shard's end.
         b_tgt += tl.sum(tl.where((o_v[None, :] == b_lab[:, None]) & m_v[None, :], b_z, 0.0), axis=1)
-        b_new = tl.maximum(b_max, tl.max(b_z, axis=1))
+        b_tile_max, b_tile_arg = tl.max(b_z, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        # Strictly greater: an equal max in a later tile keeps the first index.
+        b_arg = tl.where(b_tile_max > b_max, (i_s.to(tl.int64) * tiles_per_split + t) * BLOCK_V
+                         + b_tile_arg.to(tl.int64), b_arg)
+        b_new = tl.maximum(b_max, b_tile_max)
         # A tile past the end of the vocab leaves the max at -inf; shift by 0 there.
         b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
         b_scale = tl.exp(b_max - b_ref).to(tl.float64)
@@ -115,16 +123,18 @@ def _linear_log_probs_fwd_kernel(
             b_t = (b_t + b_shift) * b_scale + tl.sum(b_p * b_zc, axis=1).to(tl.float64)
         b_sum = b_sum * b_scale + tl.sum(b_p, axis=1).to(tl.float64)
         b_max = b_new
-    p_out = p_stats + (i_s.to(tl.int64) * N + o_m) * 4
+    p_out = p_stats + (i_s.to(tl.int64) * N + o_m) * NUM_STATS
     tl.store(p_out + 0, b_max.to(tl.float64), mask=m_m)
     tl.store(p_out + 1, b_sum, mask=m_m)
     tl.store(p_out + 2, b_t, mask=m_m)
     tl.store(p_out + 3, b_tgt.to(tl.float64), mask=m_m)
+    tl.store(p_out + 4, b_arg.to(tl.float64), mask=m_m)
 
 
 @triton.jit
 def _linear_log_probs_bwd_kernel(
-    p_h, p_w, p_lab, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dzt, p_dz, N, V, H, vocab_start, inv_temp,
+    p_h, p_w, p_lab, p_arg, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dzt, p_dza, p_dz,
+    N, V, H, vocab_start, inv_temp,
     v0, n_cols, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -135,8 +145,9 @@ def _linear_log_probs_bwd_kernel(
     roundings relative to their own (small, where p is large) size: an fp32 ``lse`` or ``entropy``
     would be off by up to half an ulp of ~log V, the same for every entry of a row (a coherent
     error in dH / dW, and one that differs between vocab-sharded and unsharded runs). ``g_lp`` /
-    ``g_ent`` come with the temperature folded in (fp64, rounded once); the target entry is
-    ``dzt`` (fp32 ``[N]``, from the fp64 log-prob), not recomputed from the fp32 target logit.
+    ``g_ent`` come with the temperature folded in (fp64, rounded once). The target entry is
+    ``dzt`` and the argmax entry (``arg``, local index) ``dza`` (fp32 ``[N]`` each, from their
+    fp64 logits), not recomputed from fp32 logits.
     """
     i_m = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -154,9 +165,12 @@ def _linear_log_probs_bwd_kernel(
     b_glp = tl.load(p_glp + o_m, mask=m_m, other=0)
     b_gent = tl.load(p_gent + o_m, mask=m_m, other=0)
     b_dzt = tl.load(p_dzt + o_m, mask=m_m, other=0)
+    b_dza = tl.load(p_dza + o_m, mask=m_m, other=0)
+    b_arg = tl.load(p_arg + o_m, mask=m_m, other=-1)
     b_p = tl.exp((b_z - b_lse_hi[:, None]) - b_lse_lo[:, None])
     b_q = (b_z - b_c_hi[:, None]) - b_c_lo[:, None]  # log p + entropy
     b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * b_q)
+    b_dz = tl.where(o_v[None, :] == b_arg[:, None], b_dza[:, None], b_dz)
     b_dz = tl.where(o_v[None, :] == b_lab[:, None], b_dzt[:, None], b_dz)
     tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
              mask=m_m[:, None] & m_v[None, :])
@@ -190,77 +204,121 @@ def _rescale(m_part, s_part, t_part, m):
     return s_part * scale, (t_part + shift) * scale
 
 
-def exact_target(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_temp: float,
+def exact_logits(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, inv_temp: float,
                  vocab_start: int = 0) -> torch.Tensor:
-    """fp64 ``[N]`` target logits ``hidden_i . weight[label_i] * inv_temp`` summed in fp64 (0 where the
-    label lies outside this vocab shard): N*H work, chunked so the gathered rows stay ~32 MiB."""
+    """fp64 ``[N]`` logits ``hidden_i . weight[index_i - vocab_start] * inv_temp`` summed in fp64 (0 where
+    the index lies outside this vocab shard): N*H work, chunked so the gathered rows stay ~32 MiB."""
     n, h = hidden.shape
     v = weight.shape[0]
     out = torch.zeros(n, dtype=torch.float64, device=hidden.device)
     step = max(1, (32 << 20) // (16 * max(h, 1)))
     for r0 in range(0, n, step):
-        lab = labels[r0:r0 + step] - vocab_start
-        inside = (lab >= 0) & (lab < v)
-        rows = weight.index_select(0, lab.clamp(0, max(v - 1, 0))).double()
+        idx = index[r0:r0 + step] - vocab_start
+        inside = (idx >= 0) & (idx < v)
+        rows = weight.index_select(0, idx.clamp(0, max(v - 1, 0))).double()
         dot = torch.einsum("nh,nh->n", hidden[r0:r0 + step].double(), rows) * inv_temp
         out[r0:r0 + step] = torch.where(inside, dot, 0.0)
     return out
 
 
-def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32,
-                  target: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 ``stats [S, N, 4]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks.
+def local_argmax(stats: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]`` index (within this vocab shard) of each row's largest fp32 logit, from fp64
+    ``stats [S, N, 5]``: the index stored by the split with the largest max (the first on ties)."""
+    split = stats[..., 0].argmax(0)
+    return stats[..., 4].gather(0, split[None])[0].long()
 
-    ``target`` (optional, fp64 ``[N]``, from :func:`exact_target`): the target logit summed in fp64.
-    It replaces the fp32 target logit both in ``log_prob = z_t - lse`` and inside the sum-exp, so the
-    log-prob keeps only the rounding of the *other* logits, weighted by their probabilities. With
-    the fp32 target, the log-prob error is ~(1 - p_t) times the target logit's own rounding, and the
-    PPO ratio exp(log_prob - old) and the KL gradient pass it on to every per-token gradient.
-    The returned ``lse`` is then the one of the fp32 logits with the exact target logit swapped
-    in: the backward's softmax sums to one with it when its target entry comes from
-    ``log_prob`` (:func:`_target_dlogit`) and the others from recomputed fp32 logits.
+
+def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32,
+                  exact: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``stats [S, N, 4 or 5]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks.
+
+    ``exact`` (optional; needs the 5th statistic) = ``(target, argmax, local_labels)``: fp64 ``[N]``
+    logits summed in fp64 (:func:`exact_logits`) at the label (0 outside this vocab shard) and at
+    :func:`local_argmax`, and ``labels - vocab_start`` (-1 outside this shard). Each rank swaps them for its fp32 ones in the
+    sum-exp and in ``t`` before the all-reduce (the argmax's only where it is not the target), and
+    the log-prob takes the exact target logit. With fp32 logits only, the log-prob's error is the
+    probability-weighted rounding of the logits, and these two usually carry most of it (the
+    target's times ``1 - p_t``, the argmax's times ``p_max``); the PPO ratio and the KL gradient
+    pass it on to every per-token gradient.
+
+    ``lse`` and the entropy are then those of the fp32 logits with the exact ones swapped in: the
+    backward's softmax (and ``log p + entropy``) is consistent with them - its entries sum to
+    zero - when its entries at those two positions come from the same fp64 values
+    (:func:`_exact_dlogits`) and the others from recomputed fp32 logits.
     """
     m_part = stats[..., 0]
     m_local = m_part.amax(0)
-    m_local = torch.where(torch.isfinite(m_local), m_local, torch.zeros_like(m_local))
+    finite = torch.isfinite(m_local)
+    m_local = torch.where(finite, m_local, torch.zeros_like(m_local))
     s, t = _rescale(m_part, stats[..., 1], stats[..., 2], m_local)
-    rows = [s.sum(0), t.sum(0), stats[..., 3].sum(0)]
-    if target is not None:
-        rows.append(target.double())  # one all-reduce for all of them
-    sums = torch.stack(rows)
+    s, t, tgt = s.sum(0), t.sum(0), stats[..., 3].sum(0)
+    if exact is not None:
+        target, argmax, local_labels = (x.double() for x in exact)
+        # swap exp(a) a for exp(b) b in t and exp(a) for exp(b) in s, a / b the fp32 / fp64 logit
+        # minus the local max; the argmax's fp32 logit is that max (a = 0).
+        inside = local_labels >= 0
+        a, b = (torch.where(inside, x - m_local, 0.0) for x in (tgt, target))
+        s = s + torch.exp(a) * torch.expm1(b - a)
+        t = t + (torch.exp(b) * b - torch.exp(a) * a)
+        b = torch.where(finite & (local_argmax(stats) != local_labels), argmax - m_local, 0.0)
+        s = s + torch.expm1(b)
+        t = t + torch.exp(b) * b
+        tgt = target
+    sums = torch.stack([s, t, tgt])  # one all-reduce for all of them
     if key:
         m = _all_reduce(m_local.clone(), key, "max")
         sums[0], sums[1] = _rescale(m_local, sums[0], sums[1], m)
         m_local = m
-    sums = _all_reduce(sums, key)
-    s, t, tgt = sums[0], sums[1], sums[2]
+    s, t, tgt = _all_reduce(sums, key)
     log_s = torch.log(s)
-    log_prob = (tgt - m_local) - log_s
-    ent = log_s - t / s
-    if target is not None:
-        # sum-exp with exp(tgt - m) swapped for exp(exact - m): log s' = log s + log1p(p_t * expm1(delta)).
-        # The entropy keeps the fp32 target: its error is p_t * delta * (log p_t + entropy), small.
-        exact = sums[3]
-        log_s = log_s + torch.log1p(torch.exp(log_prob) * torch.expm1(exact - tgt))
-        log_prob = (exact - m_local) - log_s
-    return (m_local + log_s).to(dtype), log_prob.to(dtype), ent.to(dtype)
+    return (m_local + log_s).to(dtype), ((tgt - m_local) - log_s).to(dtype), (log_s - t / s).to(dtype)
 
 
-def _row_results(stats, key, hidden, weight, labels, inv_temp: float, vocab_start: int):
-    """fp64 ``(lse, log_prob, entropy)`` of ``hidden``'s rows, the log-prob with the fp64 target logit."""
-    return combine_stats(stats, key, torch.float64, exact_target(hidden, weight, labels, inv_temp, vocab_start))
+# Rows of the fp64 per-token results that the backward takes (``rows [5, N]``).
+_LSE, _ENT, _LOGP, _ARG, _ZARG = range(5)
+_NUM_ROWS = 5
 
 
-def _target_dlogit(log_prob, ent, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
-    """fp64 ``[N]`` d loss / d (raw) target logit, ``dz[label]``, from the fp64 ``log_prob`` / ``ent``.
+def _row_results(stats, key, hidden, weight, labels, inv_temp: float, vocab_start: int,
+                 entropy: bool) -> torch.Tensor:
+    """fp64 ``[5, N]``: lse, entropy (zeros unless ``entropy``), log-prob (with the fp64 target and
+    argmax logits), the argmax's local index and its fp64 logit."""
+    arg = local_argmax(stats)
+    z_arg = exact_logits(hidden, weight, arg, inv_temp)
+    local = labels - vocab_start
+    local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)
+    lse, log_prob, ent = combine_stats(stats, key, torch.float64,
+                                       (exact_logits(hidden, weight, labels, inv_temp, vocab_start), z_arg, local))
+    return torch.stack([lse, ent if entropy else torch.zeros_like(ent), log_prob, arg.double(), z_arg])
 
-    ``g_lp (1 - p_t) - g_ent p_t (log p_t + ent)``, times the temperature factor: ``1 - p_t`` as
-    ``-expm1(log p_t)``, so a likely target keeps its digits (``g_lp - g_lp p_t`` in fp32 would
-    cancel them), and no rounding of an fp32 target logit enters through ``p_t``.
+
+def _exact_dlogits(rows, g_lp, g_ent, inv_temp: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp64 ``[N]`` d loss / d (raw) logit at the target and at the argmax, from ``rows``' fp64 values.
+
+    ``dz_v = g_lp (onehot_v - p_v) - g_ent p_v (log p_v + ent)``, times the temperature factor. At
+    the target ``1 - p_t`` is ``-expm1(log p_t)``, so a likely target keeps its digits (``g_lp -
+    g_lp p_t`` in fp32 would cancel them); neither entry carries its fp32 logit's rounding.
     """
-    lp = log_prob.double()
-    p_t = torch.exp(lp)
-    return (-g_lp.double() * torch.expm1(lp) - g_ent.double() * p_t * (lp + ent.double())) * inv_temp
+    lse, ent, lp, z_arg = rows[_LSE], rows[_ENT], rows[_LOGP], rows[_ZARG]
+    g_lp, g_ent = g_lp.double(), g_ent.double()
+    d_t = -g_lp * torch.expm1(lp) - g_ent * torch.exp(lp) * (lp + ent)
+    lp_a = z_arg - lse
+    d_a = -torch.exp(lp_a) * (g_lp + g_ent * (lp_a + ent))
+    return d_t * inv_temp, d_a * inv_temp
+
+
+def _set_exact_entries(dz: torch.Tensor, lab: torch.Tensor, rows, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+    """Overwrite ``dz [C, V]``'s argmax and target entries (the target last: it wins where they
+    coincide) with :func:`_exact_dlogits`; rows whose target lies in another vocab shard write
+    their own entry back (no host sync)."""
+    d_t, d_a = _exact_dlogits(rows, g_lp, g_ent, inv_temp)
+    r = torch.arange(dz.shape[0], device=dz.device)
+    dz[r, rows[_ARG].long()] = d_a.float()
+    inside = (lab >= 0) & (lab < dz.shape[1])
+    idx = (r, lab.clamp(0, dz.shape[1] - 1))
+    dz.index_put_(idx, torch.where(inside, d_t.float(), dz[idx]))
+    return dz
 
 
 # --------------------------------------------------------------------------- torch backend
@@ -297,29 +355,29 @@ def _logits(x, w32, inv_temp: float, z):
 
 
 def _chunk_stats(x, w32, lab, inv_temp: float, z, e, entropy: bool) -> torch.Tensor:
-    """fp64 ``[C, 4]`` row statistics of the logits ``x @ w32.T * inv_temp``.
+    """fp64 ``[C, 5]`` row statistics of the logits ``x @ w32.T * inv_temp``.
 
     Leaves ``z - rowmax`` in ``z`` and, without ``entropy`` (``e`` is then ``z``'s buffer),
     ``exp(z - rowmax)`` in ``e``; with it, ``e`` is scratch.
     """
     tgt = _target(_logits(x, w32, inv_temp, z), lab)
-    m = z.amax(1)
+    m, arg = z.max(1)  # the first index on ties
     torch.exp(z.sub_(m[:, None]), out=e)
     # torch's CPU row sums are cascaded (error ~eps log V), so fp32 keeps log s - t / s's digits
     # without an fp64 copy of the chunk; every term of t has one sign, nothing cancels.
     s = e.sum(1)
     t = e.mul_(z).sum(1) if entropy else torch.zeros_like(s)
-    return torch.stack([m, s, t, tgt], dim=1).double()
+    return torch.stack([m.double(), s.double(), t.double(), tgt.double(), arg.double()], dim=1)
 
 
-def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, dz_t, inv_temp: float, entropy: bool) -> torch.Tensor:
+def _chunk_dlogits(z, e, shift, ent, g_lp, g_ent, inv_temp: float, entropy: bool) -> torch.Tensor:
     """d loss / d logits over the chunk's buffer, given ``e = exp(zc)`` and ``z = zc`` with
-    ``log p = zc + shift`` per row (only ``e`` is read without ``entropy``).
+    ``log p = zc + shift`` per row (only ``e`` is read without ``entropy``), except at the target
+    and argmax entries (:func:`_set_exact_entries` writes those).
 
-    ``dz = -p (g_lp + g_ent (log p + ent))`` off the target, the temperature and ``exp(shift)``
-    folded into per-row factors in fp64 (``shift`` / ``ent`` fp64 ``[C]``, each factor rounded
-    once): one pass over ``[C, V]`` without entropy, three with it. The target entry is
-    ``dz_t`` (fp64 ``[C]``, :func:`_target_dlogit`).
+    ``dz = -p (g_lp + g_ent (log p + ent))``, the temperature and ``exp(shift)`` folded into
+    per-row factors in fp64 (``shift`` / ``ent`` fp64 ``[C]``, each factor rounded once): one
+    pass over ``[C, V]`` without entropy, three with it.
     """
     k = torch.exp(shift) * -inv_temp  # p = e * exp(shift)
     if entropy:
@@ -330,10 +388,6 @@ def _chunk_dlogits(z, e, lab, shift, ent, g_lp, g_ent, dz_t, inv_temp: float, en
                            out=z).mul_(e)
     else:
         dz = e.mul_((k * g_lp.double()).float()[:, None])
-    inside = (lab >= 0) & (lab < dz.shape[1])
-    idx = (torch.arange(dz.shape[0], device=dz.device), lab.clamp(0, dz.shape[1] - 1))
-    # Rows whose target lies in another vocab shard write their own entry back (no host sync).
-    dz.index_put_(idx, torch.where(inside, dz_t.float(), dz[idx]))
     return dz
 
 
@@ -379,25 +433,23 @@ def _stats_torch(hidden, weight, labels, inv_temp, vocab_start, entropy):
 
 
 @register("linear_log_probs_grads", "torch")
-def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, lse, ent, log_prob, g_lp, g_ent):
+def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent):
     """(dH fp32 [N, H], dW [V, H]) by recomputing fp32 logits chunk by chunk.
 
-    ``lse`` / ``ent`` / ``log_prob`` fp64 (:func:`combine_stats` with the exact target): the logits
-    are shifted by ``lse`` rounded to fp32, and the rest of it, ``shift = fp32(lse) - lse`` (fp64),
-    goes into the per-row factors, so ``log p`` carries no row-coherent rounding of ``lse`` (nor
-    ``log p + ent`` one of ``ent``).
+    ``rows`` fp64 ``[5, N]`` from :func:`_row_results`: the logits are shifted by ``lse`` rounded to
+    fp32, and the rest of it, ``shift = fp32(lse) - lse`` (fp64), goes into the per-row factors, so
+    ``log p`` carries no row-coherent rounding of ``lse`` (nor ``log p + ent`` one of ``ent``).
     """
     w32 = weight.float()
     entropy = bool(g_ent.any())
-    lse, ent = lse.double(), ent.double()
+    lse, ent = rows[_LSE], rows[_ENT]
     lse32 = lse.float()
     shift = lse32.double() - lse
-    dz_t = _target_dlogit(log_prob, ent, g_lp, g_ent, inv_temp)
     d_h, d_w = _grad_buffers(hidden, weight)
     for sl, x, z, e in _token_chunks(hidden, weight.shape[0], entropy):
         torch.exp(_logits(x, w32, inv_temp, z).sub_(lse32[sl, None]), out=e)  # z = log p - shift, e = p / exp(shift)
-        dz = _chunk_dlogits(z, e, labels[sl] - vocab_start, shift[sl], ent[sl], g_lp[sl], g_ent[sl], dz_t[sl],
-                            inv_temp, entropy)
+        dz = _chunk_dlogits(z, e, shift[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp, entropy)
+        _set_exact_entries(dz, labels[sl] - vocab_start, rows[:, sl], g_lp[sl], g_ent[sl], inv_temp)
         _accumulate_grads(dz, x, w32, d_h, d_w, sl)
     return d_h, d_w.to(weight.dtype)
 
@@ -429,7 +481,7 @@ def _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
         _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M), splits)](
             hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split,
             ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K,
-            num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
+            NUM_STATS=_NUM_STATS, num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
         )
     return stats
 
@@ -442,17 +494,17 @@ def _hi_lo(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 @register("linear_log_probs_grads", "triton")
-def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, log_prob, g_lp, g_ent):
-    """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``lse`` /
-    ``ent`` fp64 (passed to the kernel as fp32 hi / lo pairs), ``log_prob`` fp64 for the target entry."""
+def _grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent):
+    """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``rows`` fp64
+    ``[5, N]`` from :func:`_row_results` (lse and lse - entropy go to the kernel as fp32 hi / lo pairs)."""
     hidden, weight = hidden.contiguous(), weight.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
     d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-    args = [*_hi_lo(lse), *_hi_lo(lse.double() - ent.double()),
+    args = [rows[_ARG].long(), *_hi_lo(rows[_LSE]), *_hi_lo(rows[_LSE] - rows[_ENT]),
             *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent)),
-            _target_dlogit(log_prob, ent, g_lp, g_ent, inv_temp).float().contiguous()]
+            *(d.float().contiguous() for d in _exact_dlogits(rows, g_lp, g_ent, inv_temp))]
     for v0 in range(0, v, cols):
         nc = min(cols, v - v0)
         dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
@@ -539,19 +591,17 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
         stats = _chunk_stats(x, w32, lab, inv_temp, z, e, entropy)
         # fp64 lse, entropy and log-prob: the softmax shift and log p + entropy below keep their
         # digits, and the head's ratio / KL gradient see the log-prob before its fp32 rounding.
-        lse, lp, ent_c = _row_results(stats[None], key, hidden[sl], weight, labels[sl], inv_temp, vocab_start)
+        rows = _row_results(stats[None], key, hidden[sl], weight, labels[sl], inv_temp, vocab_start, entropy)
+        lse, lp, ent_c = rows[_LSE], rows[_LOGP], rows[_ENT]
         log_prob[sl] = lp
-        if entropy:
-            ent[sl] = ent_c
-        else:
-            ent_c = torch.zeros_like(lp)
+        ent[sl] = ent_c
         g_lp, g_ent, part = head(lp, ent_c, sl)
         sums += part
         if compute_grad:
             if entropy:
                 torch.exp(z, out=e)
-            dz = _chunk_dlogits(z, e, lab, stats[:, 0] - lse, ent_c, g_lp, g_ent,
-                                _target_dlogit(lp, ent_c, g_lp, g_ent, inv_temp), inv_temp, entropy)
+            dz = _chunk_dlogits(z, e, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
+            _set_exact_entries(dz, lab, rows, g_lp, g_ent, inv_temp)
             _accumulate_grads(dz, x, w32, d_h, d_w, sl, (g_lp != 0) | (g_ent != 0))
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
 
@@ -561,14 +611,13 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
     """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
     # fp64 lse / entropy / log-prob into the head and the backward; fp32 outputs.
     stats = _stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy)
-    lse, log_prob, ent = _row_results(stats, key, hidden, weight, labels, inv_temp, vocab_start)
-    ent = ent if entropy else torch.zeros_like(lse)
-    g_lp, g_ent, sums = head(log_prob, ent, slice(None))
+    rows = _row_results(stats, key, hidden, weight, labels, inv_temp, vocab_start, entropy)
+    g_lp, g_ent, sums = head(rows[_LOGP], rows[_ENT], slice(None))
     if not compute_grad:
         d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
     else:
-        d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, lse, ent, log_prob, g_lp, g_ent)
-    return sums, log_prob.float(), ent.float(), d_h, d_w
+        d_h, d_w = _grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent)
+    return sums, rows[_LOGP].float(), rows[_ENT].float(), d_h, d_w
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -576,37 +625,36 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
 def _linear_log_probs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
                          entropy: bool, vocab_start: int, group: str
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[N]`` log_prob, fp32 ``[N]`` entropy (zeros unless ``entropy``), and fp64 ``[3, N]``
-    (lse, entropy, log_prob) for the backward: rounded to fp32 there, lse / entropy would be off by
-    up to half an ulp of ~log V, the same for every vocab entry of a row (a coherent error in dH /
-    dW), and the target entry would lose the fp64 log-prob's digits."""
+    """fp32 ``[N]`` log_prob, fp32 ``[N]`` entropy (zeros unless ``entropy``), and the fp64 ``[5, N]``
+    rows of :func:`_row_results` for the backward: rounded to fp32 there, lse / entropy would be off
+    by up to half an ulp of ~log V, the same for every vocab entry of a row (a coherent error in dH
+    / dW), and the target / argmax entries would lose their fp64 logits' digits."""
     stats = dispatch("linear_log_probs_stats", hidden.device)(hidden, weight, labels, 1.0 / temperature,
                                                               vocab_start, entropy)
-    lse, log_prob, ent = _row_results(stats, group, hidden, weight, labels, 1.0 / temperature, vocab_start)
-    ent = ent if entropy else torch.zeros_like(lse)
-    return log_prob.float(), ent.float(), torch.stack([lse, ent, log_prob])
+    rows = _row_results(stats, group, hidden, weight, labels, 1.0 / temperature, vocab_start, entropy)
+    return rows[_LOGP].float(), rows[_ENT].float(), rows
 
 
 @_linear_log_probs_op.register_fake
 def _(hidden, weight, labels, temperature, entropy, vocab_start, group):
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32),
-            hidden.new_empty((3, n), dtype=torch.float64))
+            hidden.new_empty((_NUM_ROWS, n), dtype=torch.float64))
 
 
 @torch.library.custom_op("dapo::linear_log_probs_bwd", mutates_args=())
-def _linear_log_probs_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                             ent: torch.Tensor, log_prob: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor,
-                             temperature: float, vocab_start: int, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard); ``lse`` / ``ent`` /
-    ``log_prob`` fp64."""
+def _linear_log_probs_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor,
+                             g_lp: torch.Tensor, g_ent: torch.Tensor, temperature: float, vocab_start: int,
+                             group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dH in hidden's dtype, summed over the group; dW of the local vocab shard); ``rows`` the fp64
+    ``[5, N]`` saved by the forward."""
     d_h, d_w = dispatch("linear_log_probs_grads", hidden.device)(hidden, weight, labels, 1.0 / temperature,
-                                                                 vocab_start, lse, ent, log_prob, g_lp, g_ent)
+                                                                 vocab_start, rows, g_lp, g_ent)
     return _all_reduce(d_h, group).to(hidden.dtype), d_w
 
 
 @_linear_log_probs_bwd_op.register_fake
-def _(hidden, weight, labels, lse, ent, log_prob, g_lp, g_ent, temperature, vocab_start, group):
+def _(hidden, weight, labels, rows, g_lp, g_ent, temperature, vocab_start, group):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
@@ -616,10 +664,10 @@ def _llp_setup(ctx, inputs, output):
     ctx.args = (temperature, vocab_start, group)
 
 
-def _llp_backward(ctx, g_lp, g_ent, g_stats):
-    hidden, weight, labels, stats = ctx.saved_tensors
-    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, *(s.contiguous() for s in stats),
-                                        g_lp.float().contiguous(), g_ent.float().contiguous(), *ctx.args)
+def _llp_backward(ctx, g_lp, g_ent, g_rows):
+    hidden, weight, labels, rows = ctx.saved_tensors
+    d_h, d_w = _linear_log_probs_bwd_op(hidden, weight, labels, rows, g_lp.float().contiguous(),
+                                        g_ent.float().contiguous(), *ctx.args)
     return d_h, d_w, None, None, None, None, None
 
 

@@ -55,11 +55,10 @@ def _torch_low(fn, hidden, weight, ref64):
                          ids=[case_id(dtype=torch.float32), case_id(dtype=torch.bfloat16)])
 def test_linear_log_probs_forward_backward(dtype, temp):
     hidden, weight, labels = _inputs(dtype)
-    log_prob, ent, (lse, ent64, lp64) = loss.linear_log_probs(hidden, weight, labels, temp, True, 0, "")
-    # the op's contract: fp64 (lse, entropy, log_prob) for the backward
-    assert lse.dtype == ent64.dtype == lp64.dtype == torch.float64
+    log_prob, ent, rows = loss.linear_log_probs(hidden, weight, labels, temp, True, 0, "")
+    assert rows.dtype == torch.float64 and rows.shape == (5, N)  # the op's contract: fp64 rows for the backward
     g_lp, g_ent = torch.randn(N), torch.randn(N)
-    d_h, d_w = loss.linear_log_probs_bwd(hidden, weight, labels, lse, ent64, lp64, g_lp, g_ent, temp, 0, "")
+    d_h, d_w = loss.linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temp, 0, "")
     assert d_h.dtype == dtype and d_w.dtype == dtype
 
     def fn(h, w):
@@ -77,8 +76,8 @@ def test_linear_log_probs_forward_backward(dtype, temp):
 def test_linear_log_probs_without_entropy_and_vocab_shard():
     """A vocab shard [vocab_start, vocab_start + V): labels outside it give no target logit."""
     hidden, weight, labels = _inputs(torch.float32)
-    lp_sh, ent_sh, (lse_sh, _, _) = loss.linear_log_probs(hidden, weight[20:], labels, 1.0, False, 20, "")
-    full_lp, _, (full_lse, _, _) = loss.linear_log_probs(hidden, weight, labels, 1.0, False, 0, "")
+    lp_sh, ent_sh, (lse_sh, *_) = loss.linear_log_probs(hidden, weight[20:], labels, 1.0, False, 20, "")
+    full_lp, _, (full_lse, *_) = loss.linear_log_probs(hidden, weight, labels, 1.0, False, 0, "")
     lse_sh, full_lse = lse_sh.float(), full_lse.float()
     assert torch.equal(ent_sh, torch.zeros(N))
     shard_lse = torch.logsumexp(hidden @ weight[20:].t(), -1)

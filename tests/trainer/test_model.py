@@ -103,23 +103,52 @@ def test_logits_match_transformers_and_survive_save(hf_checkpoint, tmp_path):
     assert err_ours < PARITY_RTOL
 
 
+def _param_grads(model, batch, probe):
+    """{parameter name: grad} of sum(logits * probe) for a transformers model on the padded batch."""
+    ids, mask = batch[:2]
+    model.zero_grad()
+    (model(input_ids=ids, attention_mask=mask.long()).logits[mask] * probe.to(model.dtype)).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _worst_grad_err(grads, ref64) -> float:
+    """max over parameters of max |grad - ref| / max |ref|."""
+    return max(rel_err(grads[n], r) for n, r in ref64.items())
+
+
+# Independent batches whose errors are summed: the worst parameter-gradient error is a single
+# heavy-tailed sample - it is usually a k_proj bias, whose gradient mostly cancels (softmax ignores
+# a bias shared by all keys; only RoPE breaks that) - so one batch's ratio to transformers' error
+# spreads over 0.4x-2x between equally exact implementations; the sum over three spreads less.
+GRAD_BATCHES = 3
+
+
 def test_gradients_match_transformers(hf_checkpoint):
+    """Parameter gradients against transformers run in float64: our float32 error is at most 2x
+    transformers' own float32 error (its eager or sdpa attention, the larger), summed over batches."""
     variant, hf, path = hf_checkpoint
-    ids, mask, packed, cu, S = random_batch([9, 14, 3])
     model = load_hf_model(path)
-    probe = torch.randn(int(mask.sum()), VOCAB)
-    hf.zero_grad()
-    (hf(input_ids=ids, attention_mask=mask.long()).logits[mask] * probe).sum().backward()
-    (model.logits(model(packed, cu, S)) * probe).sum().backward()
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    worst = 0.0
-    for name, p in model.named_parameters():
-        key = name if name.startswith("lm_head") else "model." + name
-        if key not in hf_grads:  # tied: transformers lists the shared weight once
-            key = "model.embed_tokens.weight"
-        worst = max(worst, rel_err(p.grad, hf_grads[key]))
-    print(f"{variant}: worst parameter-gradient max rel err vs transformers {worst:.2e}")
-    assert worst < PARITY_RTOL
+    names = {n: (n if n.startswith("lm_head") else "model." + n) for n, _ in model.named_parameters()}
+    hf64 = type(hf).from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
+    hf_sdpa = type(hf).from_pretrained(path, attn_implementation="sdpa").eval()
+    assert next(hf64.parameters()).dtype == torch.float64
+    ours_err = theirs_err = parity = 0.0
+    for _ in range(GRAD_BATCHES):
+        batch = random_batch([9, 14, 3])
+        probe = torch.randn(int(batch[1].sum()), VOCAB)
+        ref64, eager, sdpa = (_param_grads(m, batch, probe) for m in (hf64, hf, hf_sdpa))
+        model.zero_grad()
+        (model.logits(model(*batch[2:])) * probe).sum().backward()
+        # tied: transformers lists the shared weight once, as the embedding
+        key = {n: k if k in ref64 else "model.embed_tokens.weight" for n, k in names.items()}
+        ours = {key[n]: p.grad for n, p in model.named_parameters()}
+        ref64 = {k: ref64[k] for k in ours}
+        ours_err += _worst_grad_err(ours, ref64)
+        theirs_err += max(_worst_grad_err(eager, ref64), _worst_grad_err(sdpa, ref64))
+        parity = max(parity, _worst_grad_err(ours, eager))
+    print(f"{variant}: parameter-gradient max rel err vs float64, summed over {GRAD_BATCHES} batches: "
+          f"ours {ours_err:.2e}, transformers fp32 {theirs_err:.2e}; ours vs transformers fp32 {parity:.2e}")
+    assert ours_err <= 2 * theirs_err
 
 
 def test_config_dialects_agree(hf_checkpoint):

@@ -229,18 +229,18 @@ def local_argmax(stats: torch.Tensor) -> torch.Tensor:
 
 
 def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32,
-                  exact: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                  exact: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``stats [S, N, 4 or 5]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks.
 
-    ``exact`` (optional; needs the 5th statistic) = ``(target, argmax, local_labels)``: fp64 ``[N]``
-    logits summed in fp64 (:func:`exact_logits`) at the label (0 outside this vocab shard) and at
-    :func:`local_argmax`, and ``labels - vocab_start`` (-1 outside this shard). Each rank swaps them for its fp32 ones in the
-    sum-exp and in ``t`` before the all-reduce (the argmax's only where it is not the target), and
-    the log-prob takes the exact target logit. With fp32 logits only, the log-prob's error is the
-    probability-weighted rounding of the logits, and these two usually carry most of it (the
-    target's times ``1 - p_t``, the argmax's times ``p_max``); the PPO ratio and the KL gradient
-    pass it on to every per-token gradient.
+    ``exact`` (optional) = ``(target, argmax, arg, local_labels)``: fp64 ``[N]`` logits summed in fp64
+    (:func:`exact_logits`) at the label (0 outside this vocab shard) and at ``arg`` (this shard's
+    :func:`local_argmax`), and ``labels - vocab_start`` (-1 outside this shard). Each rank swaps
+    them for its fp32 ones in the sum-exp and in ``t`` before the all-reduce (the argmax's only
+    where it is not the target), and the log-prob takes the exact target logit. With fp32 logits
+    only, the log-prob's error is the probability-weighted rounding of the logits, and these two
+    usually carry most of it (the target's times ``1 - p_t``, the argmax's times ``p_max``); the
+    PPO ratio and the KL gradient pass it on to every per-token gradient.
 
     ``lse`` and the entropy are then those of the fp32 logits with the exact ones swapped in: the
     backward's softmax (and ``log p + entropy``) is consistent with them - its entries sum to
@@ -254,14 +254,14 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
     s, t = _rescale(m_part, stats[..., 1], stats[..., 2], m_local)
     s, t, tgt = s.sum(0), t.sum(0), stats[..., 3].sum(0)
     if exact is not None:
-        target, argmax, local_labels = (x.double() for x in exact)
+        target, argmax, arg, local_labels = exact
         # swap exp(a) a for exp(b) b in t and exp(a) for exp(b) in s, a / b the fp32 / fp64 logit
         # minus the local max; the argmax's fp32 logit is that max (a = 0).
         inside = local_labels >= 0
         a, b = (torch.where(inside, x - m_local, 0.0) for x in (tgt, target))
         s = s + torch.exp(a) * torch.expm1(b - a)
         t = t + (torch.exp(b) * b - torch.exp(a) * a)
-        b = torch.where(finite & (local_argmax(stats) != local_labels), argmax - m_local, 0.0)
+        b = torch.where(finite & (arg != local_labels), argmax - m_local, 0.0)
         s = s + torch.expm1(b)
         t = t + torch.exp(b) * b
         tgt = target
@@ -289,7 +289,7 @@ def _row_results(stats, key, hidden, weight, labels, inv_temp: float, vocab_star
     local = labels - vocab_start
     local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)
     lse, log_prob, ent = combine_stats(stats, key, torch.float64,
-                                       (exact_logits(hidden, weight, labels, inv_temp, vocab_start), z_arg, local))
+                                       (exact_logits(hidden, weight, local, inv_temp), z_arg, arg, local))
     return torch.stack([lse, ent if entropy else torch.zeros_like(ent), log_prob, arg.double(), z_arg])
 
 

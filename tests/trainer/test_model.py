@@ -128,7 +128,11 @@ def test_gradients_match_transformers(hf_checkpoint):
     transformers' own float32 error (its eager or sdpa attention, the larger), summed over batches."""
     variant, hf, path = hf_checkpoint
     model = load_hf_model(path)
-    names = {n: (n if n.startswith("lm_head") else "model." + n) for n, _ in model.named_parameters()}
+    theirs = {n for n, _ in hf.named_parameters()}
+    key = {}  # our parameter name -> transformers'
+    for n, _ in model.named_parameters():
+        k = n if n.startswith("lm_head") else "model." + n
+        key[n] = k if k in theirs else "model.embed_tokens.weight"  # tied: listed once, as the embedding
     hf64 = type(hf).from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
     hf_sdpa = type(hf).from_pretrained(path, attn_implementation="sdpa").eval()
     assert next(hf64.parameters()).dtype == torch.float64
@@ -139,8 +143,6 @@ def test_gradients_match_transformers(hf_checkpoint):
         ref64, eager, sdpa = (_param_grads(m, batch, probe) for m in (hf64, hf, hf_sdpa))
         model.zero_grad()
         (model.logits(model(*batch[2:])) * probe).sum().backward()
-        # tied: transformers lists the shared weight once, as the embedding
-        key = {n: k if k in ref64 else "model.embed_tokens.weight" for n, k in names.items()}
         ours = {key[n]: p.grad for n, p in model.named_parameters()}
         ref64 = {k: ref64[k] for k in ours}
         ours_err += _worst_grad_err(ours, ref64)

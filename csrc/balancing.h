@@ -1,15 +1,14 @@
 // Sequence-length balancing for RL training batches (host-side, exact int64).
 //
-// Pure C++ on raw int64 buffers; the pybind11 glue at the bottom of balancing.cpp
-// converts numpy arrays and releases the GIL around these calls. Every function is
-// deterministic: ties are broken by item index / creation order, never by address.
+// Plain C++17 on raw int64 buffers, with no pybind11 or Python header, so this part
+// compiles (and can be checked) without them; bindings.cpp converts numpy arrays and
+// releases the GIL around these calls. Every function is deterministic: ties are
+// broken by item index / creation order, never by address.
 // Errors are std::invalid_argument (ValueError in Python).
 #pragma once
 
 #include <cstdint>
 #include <vector>
-
-#include <pybind11/pybind11.h>
 
 namespace dapo {
 namespace balancing {
@@ -36,5 +35,3 @@ std::vector<int64_t> attention_workload(const int64_t* seqlens, int64_t n, int64
 
 }  // namespace balancing
 }  // namespace dapo
-
-void register_balancing(pybind11::module_& m);

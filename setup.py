@@ -40,6 +40,11 @@ setup(
     install_requires=_read_requirements("requirements.txt"),
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
-    entry_points={"console_scripts": ["dapo-report=dapo_trainer.report:main"]},
+    entry_points={
+        "console_scripts": ["dapo-report=dapo_trainer.report:main"],
+        # Out-of-tree device backends, loaded by dapo_kernels on the first privateuseone tensor
+        # (the way torch loads its own out-of-tree devices); npu_ops is the Ascend one.
+        "dapo_kernels.backends": ["npu = npu_ops:register"],
+    },
     zip_safe=False,
 )

@@ -4,7 +4,7 @@ Run on a CUDA machine (the H200 lent through the device tool):
 
     python benchmarks/gpu_check.py            # all checks
     python benchmarks/gpu_check.py packing    # only checks whose name contains 'packing'
-    python benchmarks/gpu_check.py loss attention   # those two, in that order
+    python benchmarks/gpu_check.py fused_linear_policy_loss varlen_attention   # those two, in that order
 
 Each op family contributes ``benchmarks/gpu/check_<op>.py`` with a function
 ``run(report)``; this script discovers them, runs each under a time budget, and prints

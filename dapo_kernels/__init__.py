@@ -1,25 +1,26 @@
 """dapo_kernels: kernels for DAPO / GRPO reinforcement-learning training of LLMs.
 
 ``import dapo_kernels as dk`` and call the ops as drop-in replacements for what verl,
-TRL and flash-attn provide. Each op is a ``torch.library`` custom op (namespace
-``dapo``) dispatched per device by :mod:`dapo_kernels._registry`.
+TRL and flash-attn provide. The tensor ops (packing, attention, log-probs, losses, group
+filter) are ``torch.library`` custom ops (namespace ``dapo``) dispatched per device by
+:mod:`dapo_kernels._registry`; ``kl_penalty`` is plain differentiable torch, the balancing
+functions run in C++ on host integers, and ``DynamicBatchAccumulator`` is a Python class.
 """
-from ._registry import current_backend, registered_ops, use_backend
+from ._registry import current_backend, install_backend_loaders, load_backends, registered_ops, use_backend
 from .balancing import attention_workload, balanced_partitions, micro_batches, pipeline_order
 from .ops.group_filter import GroupFilterResult, group_filter, overlong_penalty
-from .ops.linear_log_probs import fused_linear_policy_loss, kl_penalty, linear_log_probs
+from .ops.fused_linear_policy_loss import fused_linear_policy_loss
+from .ops.kl_penalty import kl_penalty
+from .ops.linear_log_probs import linear_log_probs
 from .ops.packing import pad_input, packed_position_ids, unpad_input
 from .ops.policy_loss import policy_loss
 from .ops.varlen_attention import varlen_attention
 from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
-# Importing npu_ops registers the Ascend NPU kernels on the ops' privateuseone key. It
-# imports no torch_npu, so it is safe everywhere and independent of import order.
-try:
-    import npu_ops  # noqa: F401
-except ModuleNotFoundError as _e:  # an install without the npu_ops package
-    if _e.name != "npu_ops":
-        raise
+# Out-of-tree backends (Ascend: npu_ops) are not imported here: each custom op gets a loader on
+# its privateuseone key that finds them through their entry points on first use (_registry).
+install_backend_loaders()
+del install_backend_loaders
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "use_backend",
     "current_backend",
     "registered_ops",
+    "load_backends",
     "unpad_input",
     "pad_input",
     "packed_position_ids",

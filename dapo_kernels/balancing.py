@@ -19,7 +19,7 @@ Python work (a tensor is copied to the host once).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 import torch

@@ -23,12 +23,14 @@ from torch.utils.checkpoint import checkpoint
 import dapo_kernels as dk
 from dapo_kernels._validation import INT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
+from .parallel.collectives import copy_to_tp, gather_from_tp
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _npu():  # Ascend fused kernels (None outside their limits); imported only for NPU tensors
-    from npu_ops import model_ops
-    return model_ops
+    from . import npu_model_ops
+    return npu_model_ops
 
 
 @dataclass
@@ -281,7 +283,6 @@ class Transformer(nn.Module):
         """
         if self.tp_group is None:
             return F.linear(hidden, self.lm_head.weight)
-        from .parallel.tensor import copy_to_tp, gather_from_tp
 
         local = F.linear(copy_to_tp(hidden, self.tp_group), self.lm_head.weight)
         return gather_from_tp(local, self.tp_group)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-import torch
-
-from dapo_kernels._registry import dispatch, use_backend
+from dapo_kernels.backend_api import torch_implementation
 
 # dapo custom op -> backend-registry name of its implementation (the same name for all;
 # listed so a renamed or new op shows up in tests instead of silently missing an NPU path).
@@ -32,14 +30,8 @@ TORCH_PATH_OPS = (
 
 def torch_path(name: str) -> Callable:
     """Kernel running the registry's ``torch`` implementation of ``name`` on the inputs' device."""
-
-    def kernel(*args):
-        with use_backend("torch"):
-            # The device only steers the backend choice, which use_backend fixes.
-            return dispatch(name, torch.device("cpu"))(*args)
-
+    kernel = torch_implementation(name)
     kernel.__name__ = kernel.__qualname__ = f"{name}_npu"
-    kernel.__doc__ = f"dapo::{name} on NPU: the device-agnostic torch implementation."
     return kernel
 
 

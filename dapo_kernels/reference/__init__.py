@@ -1,14 +1,16 @@
-"""Plain torch references, one per op, used only by tests and benchmarks.
+"""Plain torch references, one per op and named after it, used only by tests and benchmarks.
 
 The simplest correct code (Python loops allowed), float64 where numerics matter.
 Import a reference from here, never from the op files.
 """
-from .attention import varlen_attention_ref
 from .balancing import karmarkar_karp_ref, micro_batch_count_ref, spread_of
+from .fused_linear_policy_loss import fused_linear_policy_loss_ref
 from .group_filter import group_filter_ref, overlong_penalty_ref
-from .loss import (agg_loss_ref, fused_linear_policy_loss_ref, kl_penalty_ref, linear_log_probs_ref,
-                   policy_loss_ref)
+from .kl_penalty import kl_penalty_ref
+from .linear_log_probs import linear_log_probs_ref
 from .packing import pad_input_ref, packed_position_ids_ref, unpad_input_ref
+from .policy_loss import agg_loss_ref, policy_loss_ref
+from .varlen_attention import varlen_attention_ref
 
 __all__ = ["unpad_input_ref", "pad_input_ref", "packed_position_ids_ref", "varlen_attention_ref"]
 __all__ += ["group_filter_ref", "overlong_penalty_ref"]

@@ -8,17 +8,14 @@ Typical multi-node setup (launched by ``torchrun``)::
     parallelize(model, mesh["tp"].get_group())
     apply_fsdp(model, mesh["dp"], param_dtype=torch.bfloat16)
 """
-from .data import apply_ddp, apply_fsdp, balanced_dp_split, global_mean_scale
-from .dist import backend_for_device, init_distributed, make_mesh
-from .tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    full_state_dict,
-    parallelize,
-    tp_shard_dims,
-    unshard,
-)
+# Names resolve on first use (PEP 562): importing the leaf parallel.collectives, as the model
+# does, must not import parallel.tensor, which imports the model.
+_EXPORTS = {
+    "apply_ddp": "data", "apply_fsdp": "data", "balanced_dp_split": "data", "global_mean_scale": "data",
+    "backend_for_device": "dist", "init_distributed": "dist", "make_mesh": "dist",
+    "ColumnParallelLinear": "tensor", "RowParallelLinear": "tensor", "VocabParallelEmbedding": "tensor",
+    "full_state_dict": "tensor", "parallelize": "tensor", "tp_shard_dims": "tensor", "unshard": "tensor",
+}
 
 __all__ = [
     "parallelize",
@@ -36,3 +33,17 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -39,7 +39,7 @@ def init_distributed(device, *, timeout_s: Optional[float] = None) -> torch.devi
     the group already exists.
     """
     if str(device).startswith("npu"):  # "npu" is a device name only once torch_npu is imported
-        from npu_ops._lazy import torch_npu
+        from npu_ops import torch_npu
         torch_npu()
     device = torch.device(device)
     if device.type != "cpu" and device.index is None:

@@ -26,7 +26,6 @@ guard: vLLM's engine core starts in a spawned process.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from typing import List, Optional, Sequence

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dapo_kernels as dk
-import dapo_kernels.reference.loss as ref_loss
+import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
 from dapo_kernels.reference import fused_linear_policy_loss_ref, kl_penalty_ref, linear_log_probs_ref
 from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
 
@@ -183,7 +183,7 @@ def test_fused_matches_reference(be, mode, ec, kc, kl_type, lengths):
     def ref(dt, llp=linear_log_probs_ref):
         kw_dt = {k: (v.to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
         h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
-        with mock.patch.object(ref_loss, "linear_log_probs_ref", llp):  # the reference's log-prob step
+        with mock.patch.object(ref_fused, "linear_log_probs_ref", llp):  # the reference's log-prob step
             r_loss, r_met, r_lp, r_ent = fused_linear_policy_loss_ref(h, w, labels, **kw_dt)
         return (r_loss, r_lp, r_ent, *torch.autograd.grad(r_loss, [h, w]),
                 *(r_met[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")))

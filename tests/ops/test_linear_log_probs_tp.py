@@ -42,7 +42,7 @@ def _references(hidden, weight, labels, cot, kw):
     compared quantity, unsharded: {name: (ref64, torch_fp32)}."""
     from unittest import mock
 
-    import dapo_kernels.reference.loss as ref_loss
+    import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
     from dapo_kernels.reference import fused_linear_policy_loss_ref
     from tests.ops.test_linear_log_probs import TORCH_WAYS, _llp_vocab_chunks, grads_of, worst_of
 
@@ -57,7 +57,7 @@ def _references(hidden, weight, labels, cot, kw):
         (lp, ent), dh, dw = grads_of(lambda a, b: llp(a, b, labels, 0.7), h, w, *cot)
         kw_dt = {k: (v.to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        with mock.patch.object(ref_loss, "linear_log_probs_ref", llp):
+        with mock.patch.object(ref_fused, "linear_log_probs_ref", llp):
             loss, _, flp, fent = fused_linear_policy_loss_ref(hh, ww, labels, **kw_dt)
         fdh, fdw = torch.autograd.grad(loss, [hh, ww])
         return lp, ent, dh, dw, loss, fdh, fdw, flp, fent

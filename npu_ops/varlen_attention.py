@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from dapo_kernels._registry import dispatch, use_backend
+from dapo_kernels.backend_api import torch_implementation
 
 from ._lazy import torch_npu
 
@@ -84,9 +84,8 @@ def lse_unit() -> float:
     zero q, k, v over two keys give ``lse = ln 2`` in natural units.
     """
     z = torch.zeros(2, 1, 16)
-    with use_backend("torch"):
-        _, lse = dispatch("varlen_attention_fwd", z.device)(z, z, z, torch.tensor([0, 2], dtype=torch.int32), 2,
-                                                            False, 1.0)
+    _, lse = torch_implementation("varlen_attention_fwd")(z, z, z, torch.tensor([0, 2], dtype=torch.int32), 2,
+                                                          False, 1.0)
     return float(lse[0, 0]) / math.log(2)
 
 

@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent(r'''
 
     base = run()
     sys.path.insert(0, os.getcwd())
-    from tests.npu_ops import fake_torch_npu
+    from tests.npu_fake import fake_torch_npu
     sys.modules["torch_npu"] = fake_torch_npu.module()
     npu_ops._lazy.reset()
     npu_ops.register("cpu")

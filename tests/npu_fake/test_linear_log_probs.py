@@ -1,4 +1,4 @@
-"""npu_ops.loss (the NPU kernels of linear_log_probs / fused_linear_policy_loss) on CPU tensors:
+"""npu_ops.linear_log_probs (the NPU kernels of linear_log_probs / fused_linear_policy_loss) on CPU tensors:
 pure torch, so it runs here as it would on the NPU; checked against the float64 references
 with several token chunks per call."""
 import math
@@ -7,11 +7,11 @@ from unittest import mock
 import pytest
 import torch
 
-import dapo_kernels.reference.loss as ref_loss
+import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
 
 from dapo_kernels.ops.policy_loss import aggregation_weights
 from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
-from npu_ops import loss
+from npu_ops import linear_log_probs as loss
 from tests.helpers import assert_close_to_ref, case_id
 from tests.ops.test_linear_log_probs import TORCH_WAYS, worst_of
 
@@ -44,7 +44,7 @@ def _torch_low(fn, hidden, weight, ref64):
     n_out = len(ref64[0])
     runs = []
     for way in TORCH_WAYS:
-        with mock.patch.object(ref_loss, "linear_log_probs_ref", way):
+        with mock.patch.object(ref_fused, "linear_log_probs_ref", way):
             outs, dh, dw = _ref_grads(fn, hidden, weight, torch.float32)
         runs.append((*outs, dh, dw))
     flat = worst_of(runs, (*ref64[0], ref64[1], ref64[2]))
@@ -62,7 +62,7 @@ def test_linear_log_probs_forward_backward(dtype, temp):
     assert d_h.dtype == dtype and d_w.dtype == dtype
 
     def fn(h, w):
-        return ref_loss.linear_log_probs_ref(h, w, labels, temp), (g_lp, g_ent)
+        return ref_fused.linear_log_probs_ref(h, w, labels, temp), (g_lp, g_ent)
 
     ref64 = _ref_grads(fn, hidden, weight, torch.float64)
     low = _torch_low(fn, hidden, weight, ref64)

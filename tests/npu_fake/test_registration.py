@@ -1,14 +1,16 @@
 """How npu_ops is wired in: a privateuseone kernel on every dapo custom op, the torch-path
-kernels, model_ops off the NPU, and the lazy torch_npu import (missing / broken)."""
+kernels, the model's NPU ops off the NPU, and the lazy torch_npu import (missing / broken)."""
 import sys
 
 import pytest
 import torch
 
-import dapo_kernels as dk  # noqa: F401  (defines the custom ops, imports npu_ops)
+import dapo_kernels as dk  # noqa: F401  (defines the custom ops)
 import npu_ops
 from dapo_kernels import _registry
-from npu_ops import _lazy, attention, generic, model_ops
+from dapo_trainer import npu_model_ops as model_ops
+from npu_ops import _lazy, generic
+from npu_ops import varlen_attention as attention
 
 
 def test_every_dapo_custom_op_has_a_privateuseone_kernel():

@@ -4,7 +4,7 @@ Skipped, with the reason printed in pytest's summary, unless ``torch_npu`` impor
 ``torch.npu.is_available()``. On an Atlas machine::
 
     pip install torch_npu==<the build matching torch> && source /usr/local/Ascend/ascend-toolkit/set_env.sh
-    python -m pytest tests/npu -v -rs
+    python -m pytest tests/npu_hardware -v -rs
 
 Tolerances follow the project rule (tests/helpers.py): at most 2x the error plain torch
 makes in the same dtype, computed here on the CPU.
@@ -129,7 +129,7 @@ def test_policy_loss_packing_group_filter():
 
 def test_model_ops_match_the_torch_code():
     from dapo_trainer import model as m
-    from npu_ops import model_ops
+    from dapo_trainer import npu_model_ops as model_ops
 
     T, N, D, H, I = 37, 4, 128, 256, 512
     x = torch.randn(T, N, D, dtype=torch.bfloat16)

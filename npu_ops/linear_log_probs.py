@@ -4,7 +4,7 @@ Kernels for the ``privateuseone`` key of ``dapo::linear_log_probs``,
 ``dapo::linear_log_probs_bwd`` and ``dapo::fused_linear_policy_loss`` (same signatures
 and results as the ops' torch path). The formulation is the torch path's: tiles of
 tokens, one ``[chunk, V]`` fp32 logits matmul each (the cube unit's work), online row
-statistics combined by :func:`dapo_kernels.ops.linear_log_probs.combine_stats`, never an
+statistics combined by :func:`dapo_kernels.backend_api.combine_stats`, never an
 ``[N, V]`` tensor. Two things differ, both for the NPU:
 
 * Row sums stay in fp32. The CPU path sums ``[chunk, V]`` terms in fp64, but Ascend's
@@ -17,13 +17,14 @@ statistics combined by :func:`dapo_kernels.ops.linear_log_probs.combine_stats`, 
 ``[N, C]`` log-probs of its input (API reference, "torch_npu.npu_cross_entropy_loss"),
 gives no entropy, and whether it beats the matmul + reductions per chunk is unmeasured.
 
-The per-token loss head (``_LossHead``, fp64 on ``[N]`` vectors) is the op's own.
+The per-token loss head (``LossHead``, fp64 on ``[N]`` vectors) is the op's own, from
+:mod:`dapo_kernels.backend_api`.
 """
 from __future__ import annotations
 
 import torch
 
-from dapo_kernels.ops.linear_log_probs import _all_reduce, _dlogits_, _LossHead, combine_stats
+from dapo_kernels.backend_api import LossHead, all_reduce, combine_stats, dlogits_
 
 # fp32 logits per chunk: 512 MiB keeps each matmul >= 800 rows at V = 152k (TP = 1) while
 # the ~3 chunk-sized buffers stay far below an A2's 64 GB.
@@ -84,16 +85,16 @@ def linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temperature,
         x = hidden[sl].float()
         z = _logits(x, w32, inv_temp)
         p = torch.exp(z - lse[sl, None])
-        dz = _dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp)
+        dz = dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp)
         torch.mm(dz, w32, out=d_h[sl])
         d_w.addmm_(dz.t(), x)
-    return _all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)
+    return all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)
 
 
 def fused_linear_policy_loss(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entropy,
                              compute_grad):
     """``(sums fp64 [8], log_prob, entropy, dH, dW)``; one pass, each logits chunk serves loss and gradient."""
-    head = _LossHead(tokens, params, kl_type)
+    head = LossHead(tokens, params, kl_type)
     (n, h), v = hidden.shape, weight.shape[0]
     inv_temp = 1.0 / params[0]
     w32 = weight.float()
@@ -116,9 +117,9 @@ def fused_linear_policy_loss(hidden, weight, labels, tokens, params, kl_type, vo
         sums = part if sums is None else sums + part
         if compute_grad:
             p = e.mul_(torch.exp(stats[:, 0] - lse)[:, None])
-            dz = _dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp)
+            dz = dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp)
             torch.mm(dz, w32, out=d_h[sl])
             d_w.addmm_(dz.t(), x)
     if sums is None:  # no tokens: the head's sums of nothing
         sums = head(log_prob, ent, slice(None))[2]
-    return sums, log_prob, ent, _all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)
+    return sums, log_prob, ent, all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)

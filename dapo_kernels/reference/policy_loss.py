@@ -1,4 +1,4 @@
-"""References for the policy-loss ops: verl 0.9.1 semantics, written out plainly.
+"""Reference of ``policy_loss``: verl 0.9.1's ``compute_policy_loss_vanilla`` + ``agg_loss``, written out plainly.
 
 Every function computes in the dtype of its inputs, so ``f(x.double())`` is the
 float64 reference and ``f(x)`` is what plain torch costs in ``x``'s dtype (the
@@ -6,8 +6,6 @@ comparator of ``tests.helpers.assert_close_to_ref``). One deliberate difference 
 verl: an all-masked batch (or sequence) aggregates to 0 instead of NaN.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -90,57 +88,8 @@ def policy_loss_ref(log_prob, old_log_prob, advantages, response_mask, *, clip_r
     return loss, metrics
 
 
-def kl_penalty_ref(log_prob, ref_log_prob, kl_type="low_var_kl"):
-    """verl ``kl_penalty`` (including the ``+`` straight-through variants)."""
-    base = kl_type[:-1] if kl_type.endswith("+") else kl_type
-    d = log_prob - ref_log_prob
-    if base in ("kl", "k1"):
-        out = d
-    elif base == "abs":
-        out = d.abs()
-    elif base in ("mse", "k2"):
-        out = 0.5 * d.square()
-    elif base in ("low_var_kl", "k3"):
-        kl = torch.clamp(-d, min=-20, max=20)
-        out = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-    else:
-        raise ValueError(kl_type)
-    if kl_type.endswith("+") and base not in ("mse", "k2"):
-        st = 0.5 * d.square()
-        out = st - st.detach() + out.detach()
-    return out
-
-
-def linear_log_probs_ref(hidden, weight, labels, temperature=1.0):
-    """Full logits in the inputs' dtype: (log_prob [N], entropy [N])."""
-    logits = (hidden @ weight.t()) / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    log_prob = logp_all.gather(-1, labels[:, None].long())[:, 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return log_prob, entropy
-
-
-def fused_linear_policy_loss_ref(hidden, weight, labels, old_log_prob, advantages, response_mask, *, temperature=1.0,
-                                 clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                                 loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, cu_seqlens=None,
-                                 loss_scale_factor=None, entropy_coeff=0.0, ref_log_prob: Optional[torch.Tensor] = None,
-                                 kl_coef=0.0, kl_type="low_var_kl"):
-    """verl's actor loss: pg_loss - entropy_coeff * agg(entropy) + kl_coef * agg(kl)."""
-    log_prob, entropy = linear_log_probs_ref(hidden, weight, labels, temperature)
-    agg = dict(loss_agg_mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
-               loss_scale_factor=loss_scale_factor)
-    loss, metrics = policy_loss_ref(log_prob, old_log_prob, advantages, response_mask, clip_ratio_low=clip_ratio_low,
-                                    clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **agg)
-    if entropy_coeff:
-        ent_loss = _agg_values(entropy, response_mask, **agg)
-        loss = loss - entropy_coeff * ent_loss
-    if kl_coef:
-        kl_loss = _agg_values(kl_penalty_ref(log_prob, ref_log_prob, kl_type), response_mask, **agg)
-        loss = loss + kl_coef * kl_loss
-    return loss, metrics, log_prob, entropy
-
-
-def _agg_values(values, mask, *, loss_agg_mode, num_tokens, num_seqs, cu_seqlens, loss_scale_factor):
+def agg_values_ref(values, mask, *, loss_agg_mode, num_tokens, num_seqs, cu_seqlens, loss_scale_factor):
+    """``agg_loss_ref`` of per-token ``values`` ``[N]`` (packed with ``cu_seqlens``) or ``[B, T]``."""
     if values.dim() == 1 and cu_seqlens is not None:
         values, mask = packed_to_padded_ref(values, cu_seqlens), packed_to_padded_ref(mask, cu_seqlens)
     elif values.dim() == 1:

@@ -1,4 +1,4 @@
-"""npu_ops.attention against the fake torch_npu: the TND call it builds gives the reference
+"""npu_ops.varlen_attention against the fake torch_npu: the TND call it builds gives the reference
 forward (out, lse) and backward (dq, dk, dv) when the op behaves as documented."""
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dapo_kernels.reference import varlen_attention_ref
-from npu_ops import attention
+from npu_ops import varlen_attention as attention
 from tests.helpers import assert_close_to_ref, case_id, cu_seqlens_from
 
 CASES = [  # lengths, Hq, Hkv, D, causal, dtype

@@ -1,4 +1,4 @@
-"""Fused Ascend kernels for ``dapo_trainer.model``: RMSNorm, rotary embedding, SwiGLU.
+"""Fused Ascend kernels of ``dapo_trainer.model``: RMSNorm, rotary embedding, SwiGLU.
 
 Each function returns the fused result for a tensor on an NPU, or ``None`` when the
 tensor is elsewhere or outside the kernel's documented limits; the model then runs its
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ._lazy import is_npu, torch_npu
+from npu_ops import is_npu, torch_npu
 
 # npu_rotary_mul limits (half mode, A2/A3): heads < 1000, head dim even and < 896.
 _ROPE_MAX_HEADS = 1000

@@ -2,7 +2,7 @@
 import pytest
 
 from npu_ops import _lazy
-from tests.npu_ops import fake_torch_npu
+from tests.npu_fake import fake_torch_npu
 
 
 @pytest.fixture

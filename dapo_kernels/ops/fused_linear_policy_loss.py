@@ -1,0 +1,236 @@
+"""lm_head -> log-prob -> DAPO loss in one op, never materialising ``[N, V]``.
+
+The loss of each token is known as soon as its log-prob is, so the op returns ``dH`` / ``dW``
+from the forward: the torch path reuses each fp32 logits chunk for the loss and its gradient
+(three matmuls in all); the Triton path runs the statistics kernel of
+:mod:`dapo_kernels.ops.linear_log_probs`, the per-token loss head, then that op's recomputing
+backward. The per-token loss is :func:`dapo_kernels.ops.policy_loss.pg_token_terms`, aggregated
+with :func:`dapo_kernels.ops.policy_loss.aggregation_weights`, in fp64 on ``[N]`` vectors.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .._registry import dispatch, register
+from .._validation import check_tensor
+from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
+                         chunk_stats, grad_buffers, row_results, set_exact_entries, token_chunks)
+from .kl_penalty import KL_TYPES, kl_terms
+from .linear_log_probs import grads_triton, stats_triton
+from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metrics_from_counts,
+                          pg_token_terms)
+
+# Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
+# #tokens, entropy, kl (each weighted like the loss except the counts).
+_NUM_SUMS = 8
+
+
+# --------------------------------------------------------------------------- loss head
+class LossHead:
+    """Per-token DAPO loss: gradients w.r.t. log-prob / entropy and weighted partial sums."""
+
+    def __init__(self, tokens: List[torch.Tensor], params: List[float], kl_type: str):
+        self.old, self.adv, self.mask, self.w, self.ref = tokens
+        self.clips = params[1:4]
+        self.ent_coef, self.kl_coef = params[4], params[5]
+        self.kl_type = kl_type
+
+    def __call__(self, lp: torch.Tensor, ent: torch.Tensor, sl: slice):
+        mask = self.mask[sl]
+        w = self.w if self.w.numel() == 1 else self.w[sl]
+        loss, dl, clip, clip_low, nkl = pg_token_terms(lp, self.old[sl], self.adv[sl], *self.clips)
+        wm = torch.where(mask, w, 0.0)
+        g_lp = wm * dl
+        m = mask.double()
+        zero = m.new_zeros(())
+        ent_sum, kl_sum, g_ent = zero, zero, torch.zeros_like(lp)
+        # fp64 token math and sums, as in policy_loss.
+        if self.ent_coef:
+            ent_sum = torch.where(mask, wm * ent.double(), 0.0).sum()
+            g_ent = -self.ent_coef * wm
+        if self.kl_coef:
+            kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type, torch.float64)
+            kl_sum = torch.where(mask, wm * kl_val.double(), 0.0).sum()
+            g_lp = g_lp + self.kl_coef * wm * kl_grad
+        pg_sum = torch.where(mask, wm * loss, 0.0).sum()
+        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum, m @ clip,
+                            m @ clip_low, m @ -nkl, m.sum(), ent_sum, kl_sum])
+        return g_lp.float(), g_ent.float(), sums
+
+
+@register("fused_linear_policy_loss", "torch")
+def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
+    """One pass over token chunks; each fp32 logits chunk serves the loss and its gradient."""
+    n = hidden.shape[0]
+    w32 = weight.float()
+    log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=hidden.device)
+    if compute_grad:
+        d_h, d_w = grad_buffers(hidden, weight)
+    else:
+        d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), w32.new_empty((0, weight.shape[1]))
+    for sl, x, z, e in token_chunks(hidden, weight.shape[0], entropy):
+        lab = labels[sl] - vocab_start
+        stats = chunk_stats(x, w32, lab, inv_temp, z, e, entropy)
+        # fp64 lse, entropy and log-prob: the softmax shift and log p + entropy below keep their
+        # digits, and the head's ratio / KL gradient see the log-prob before its fp32 rounding.
+        rows = row_results(stats[None], key, hidden[sl], weight, labels[sl], inv_temp, vocab_start, entropy)
+        lse, lp, ent_c = rows[LSE], rows[LOGP], rows[ENT]
+        log_prob[sl] = lp
+        ent[sl] = ent_c
+        g_lp, g_ent, part = head(lp, ent_c, sl)
+        sums += part
+        if compute_grad:
+            if entropy:
+                torch.exp(z, out=e)
+            dz = chunk_dlogits(z, e, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
+            set_exact_entries(dz, lab, rows, g_lp, g_ent, inv_temp)
+            accumulate_grads(dz, x, w32, d_h, d_w, sl, (g_lp != 0) | (g_ent != 0))
+    return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
+
+
+@register("fused_linear_policy_loss", "triton")
+def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
+    """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
+    # fp64 lse / entropy / log-prob into the head and the backward; fp32 outputs.
+    stats = stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy)
+    rows = row_results(stats, key, hidden, weight, labels, inv_temp, vocab_start, entropy)
+    g_lp, g_ent, sums = head(rows[LOGP], rows[ENT], slice(None))
+    if not compute_grad:
+        d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
+    else:
+        d_h, d_w = grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent)
+    return sums, rows[LOGP].float(), rows[ENT].float(), d_h, d_w
+
+
+# --------------------------------------------------------------------------- custom op
+@torch.library.custom_op("dapo::fused_linear_policy_loss", mutates_args=())
+def _fused_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tokens: List[torch.Tensor],
+              params: List[float], kl_type: str, vocab_start: int, group: str, entropy: bool, compute_grad: bool
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sums fp64 [8], log_prob [N], entropy [N], dH, dW); dH/dW are empty unless ``compute_grad``.
+
+    ``tokens`` = [old_log_prob, advantages, mask (bool), weights (1 or N), ref_log_prob];
+    ``params`` = [temperature, clip_low, clip_high, clip_c, entropy_coeff, kl_coef].
+    """
+    head = LossHead(tokens, params, kl_type)
+    sums, log_prob, ent, d_h, d_w = dispatch("fused_linear_policy_loss", hidden.device)(
+        hidden, weight, labels, head, 1.0 / params[0], vocab_start, group, entropy, compute_grad)
+    return sums, log_prob, ent, all_reduce(d_h, group).to(hidden.dtype), d_w
+
+
+@_fused_op.register_fake
+def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entropy, compute_grad):
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32)
+    d_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0, hidden.shape[1]))
+    d_w = torch.empty_like(weight) if compute_grad else weight.new_empty((0, weight.shape[1]))
+    return hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), d_h, d_w
+
+
+def _fused_setup(ctx, inputs, output):
+    # Only the loss is differentiable: no zero-filled [V, H] cotangent for the dW output.
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    # Detached (no reference cycle through grad_fn), not saved: backward scales them in place and
+    # lets go, so autograd can take them as .grad without a copy.
+    ctx.grads = [output[3].detach(), output[4].detach()]
+    ctx.n_tokens = len(inputs[3])
+
+
+def _fused_backward(ctx, g_sums, *_):
+    if ctx.grads is None:
+        raise RuntimeError("fused_linear_policy_loss computes its gradients in the forward and hands them over "
+                           "in the first backward; a second backward (retain_graph) needs a new forward")
+    d_h, d_w = ctx.grads
+    ctx.grads = None
+    if g_sums is None:
+        d_h = d_w = None
+    else:
+        g = g_sums[0]
+        d_h, d_w = d_h.mul_(g), d_w.mul_(g)
+    return (d_h, d_w, None, [None] * ctx.n_tokens, None, None, None, None, None, None)
+
+
+_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+# --------------------------------------------------------------------------- public API
+def _check_token_inputs(n: int, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type):
+    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        check_tensor(name, t, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                     device=hidden.device, shape=(n,))
+    mask = check_mask("response_mask", response_mask, old_log_prob)
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if kl_coef and ref_log_prob is None:
+        raise ValueError("kl_coef != 0 needs ref_log_prob [N]")
+    if ref_log_prob is not None:
+        check_tensor("ref_log_prob", ref_log_prob, dtypes=(torch.float16, torch.bfloat16, torch.float32,
+                                                           torch.float64), device=hidden.device, shape=(n,))
+    return mask
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    loss_scale_factor=None,
+    entropy_coeff: float = 0.0,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "low_var_kl",
+    process_group=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """lm_head -> log-prob -> DAPO loss in one op: ``pg_loss - entropy_coeff * agg(entropy) + kl_coef * agg(kl)``.
+
+    ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``, ``temperature`` and ``process_group``
+    as in :func:`linear_log_probs`; ``old_log_prob``, ``advantages``, ``ref_log_prob`` float
+    ``[N]``, ``response_mask`` bool/int ``[N]``; the loss arguments as in
+    :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
+    kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
+
+    Returns ``loss`` (fp32 0-dim; gradients for ``hidden`` and ``weight``, computed during the
+    forward when grad is enabled) and detached ``metrics``: ``pg_clipfrac``,
+    ``pg_clipfrac_lower``, ``ppo_kl``, ``pg_loss``, ``log_prob`` ``[N]``, plus ``entropy_loss``
+    and ``entropy`` ``[N]`` when ``entropy_coeff != 0``, ``kl_loss`` when ``kl_coef != 0``.
+    """
+    vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
+    n = hidden.shape[0]
+    mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
+    clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    check_agg(loss_agg_mode, old_log_prob, cu_seqlens)
+    for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
+                            loss_scale_factor=loss_scale_factor)
+    ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else old_log_prob.new_zeros(0)
+    tokens = [old_log_prob.contiguous(), advantages.contiguous(), mask.contiguous(), w, ref.contiguous()]
+    params = [float(temperature), *clips, float(entropy_coeff), float(kl_coef)]
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    entropy = bool(entropy_coeff)
+    sums, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, tokens, params, kl_type, vocab_start, key,
+                                          entropy, compute_grad)
+    metrics = metrics_from_counts(sums[2], sums[3], sums[4], sums[5])
+    metrics.update(pg_loss=sums[1].detach().float(), log_prob=log_prob.detach())
+    if entropy:
+        metrics.update(entropy_loss=sums[6].detach().float(), entropy=ent.detach())
+    if kl_coef:
+        metrics["kl_loss"] = sums[7].detach().float()
+    return sums[0].float(), metrics

@@ -10,10 +10,10 @@ from ._registry import current_backend, install_backend_loaders, load_backends, 
 from .balancing import attention_workload, balanced_partitions, micro_batches, pipeline_order
 from .ops.group_filter import GroupFilterResult, group_filter, overlong_penalty
 from .ops.fused_linear_policy_loss import fused_linear_policy_loss
-from .ops.kl_penalty import kl_penalty
+from .ops.kl_penalty import KL_TYPES, kl_penalty
 from .ops.linear_log_probs import linear_log_probs
 from .ops.packing import pad_input, packed_position_ids, unpad_input
-from .ops.policy_loss import policy_loss
+from .ops.policy_loss import LOSS_AGG_MODES, policy_loss
 from .ops.varlen_attention import varlen_attention
 from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
@@ -33,6 +33,8 @@ __all__ = [
     "linear_log_probs",
     "fused_linear_policy_loss",
     "kl_penalty",
+    "KL_TYPES",
+    "LOSS_AGG_MODES",
     "group_filter",
     "overlong_penalty",
     "GroupFilterResult",

@@ -6,7 +6,7 @@ device or contents. Messages name the argument and what was expected.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,30 @@ def check_int(name: str, value, *, minimum: Optional[int] = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_flag(name: str, value) -> bool:
+    """Check a Python bool argument (0 / 1 and tensors rejected: a flag passed positionally in the
+    wrong place should fail, not be read as a truth value)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_float(name: str, value, *, valid: Optional[Callable[[float], bool]] = None, expected: str = "",
+                or_none: bool = False) -> Optional[float]:
+    """Check a Python real-number argument (bool rejected) and return it as a float.
+
+    ``valid(v)`` False raises ``ValueError("{name} must be {expected}, got {value}")``; NaN fails
+    any comparison-based ``valid``. ``or_none``: None is accepted and returned as is.
+    """
+    if value is None and or_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float{' or None' if or_none else ''}, got {type(value).__name__}")
+    if valid is not None and not valid(float(value)):
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return float(value)
 
 
 def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens", device=None) -> int:

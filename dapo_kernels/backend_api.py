@@ -37,9 +37,9 @@ import torch
 
 from ._registry import (BACKEND_ENTRY_POINTS, OUT_OF_TREE_DEVICE, custom_op_names, device_kernels, dispatch,
                         load_backends, register_device_kernels, use_backend)
-from ._validation import check_int, check_tensor
 from .ops._row_stats import all_reduce, combine_stats, dlogits_
 from .ops.fused_linear_policy_loss import LossHead
+from .validation import check_int, check_tensor
 
 __all__ = [
     "BACKEND_ENTRY_POINTS", "OUT_OF_TREE_DEVICE", "register_device_kernels", "device_kernels", "load_backends",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import _C
-from ._validation import check_int
+from ._validation import check_flag, check_int
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -73,9 +73,7 @@ def balanced_partitions(workloads, k_partitions: int, equal_size: bool = False) 
     """
     w = _as_int64("workloads", workloads)
     k = check_int("k_partitions", k_partitions, minimum=1)
-    if not isinstance(equal_size, bool):
-        raise TypeError(f"equal_size must be a bool, got {type(equal_size).__name__}")
-    return _C.balanced_partitions(w, k, equal_size)
+    return _C.balanced_partitions(w, k, check_flag("equal_size", equal_size))
 
 
 def micro_batches(

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._validation import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
+from ._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_int, check_tensor
 
 GROUP_INDEX_KEY = "group_index"
 _PREFIX = "dynamic_sampling/"
@@ -73,9 +73,7 @@ class DynamicBatchAccumulator:
         self.train_batch_size = check_int("train_batch_size", train_batch_size, minimum=1)
         self.n_per_prompt = check_int("n_per_prompt", n_per_prompt, minimum=1)
         self.max_num_gen_batches = check_int("max_num_gen_batches", max_num_gen_batches)
-        if not isinstance(carry_over, bool):
-            raise TypeError(f"carry_over must be a bool, got {type(carry_over).__name__}")
-        self.carry_over = carry_over
+        self.carry_over = check_flag("carry_over", carry_over)
         self._chunks: List[Dict[str, torch.Tensor]] = []
         self._keys: Optional[tuple] = None
         self.num_buffered_groups = 0

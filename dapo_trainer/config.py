@@ -22,8 +22,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import yaml
 
-from dapo_kernels.ops.kl_penalty import KL_TYPES
-from dapo_kernels.ops.policy_loss import LOSS_AGG_MODES
+from dapo_kernels import KL_TYPES, LOSS_AGG_MODES
 
 from .rollout.base import RolloutConfig
 

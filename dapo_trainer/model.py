@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dapo_kernels as dk
-from dapo_kernels._validation import INT_DTYPES, check_cu_seqlens, check_int, check_tensor
+from dapo_kernels.validation import INT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 from .parallel.collectives import copy_to_tp, gather_from_tp
 

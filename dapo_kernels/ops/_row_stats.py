@@ -35,7 +35,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._validation import check_tensor
+from .._validation import check_float, check_tensor
 
 # CPU chunk: the [C, V] fp32 work buffers (one, two with entropy) in 64 MiB keep each matmul
 # at >= 512 rows at V = 32k (full speed: measured no faster at 1024) for an eighth of naive's
@@ -302,10 +302,7 @@ def check_linear_inputs(hidden, weight, labels, temperature, process_group):
         raise ValueError("weight must have at least one vocab row, got shape [0, H]")
     check_tensor("labels", labels, ndim=1, dtypes=(torch.int64, torch.int32), device=hidden.device,
                  shape=(hidden.shape[0],))
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_float("temperature", temperature, valid=lambda v: v > 0, expected="> 0")
     rank, world = 0, 1
     if process_group is not None:
         import torch.distributed as dist

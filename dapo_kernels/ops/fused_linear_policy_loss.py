@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .._registry import dispatch, register
-from .._validation import check_tensor
+from .._validation import check_float, check_tensor
 from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
                          chunk_stats, grad_buffers, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
@@ -215,9 +215,7 @@ def fused_linear_policy_loss(
     mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
     clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_agg(loss_agg_mode, old_log_prob, cu_seqlens)
-    for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    entropy_coeff, kl_coef = check_float("entropy_coeff", entropy_coeff), check_float("kl_coef", kl_coef)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
                             loss_scale_factor=loss_scale_factor)
     ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else old_log_prob.new_zeros(0)

@@ -25,6 +25,7 @@ atomics (sums/min/max -> squared deviations -> per-element and per-group outputs
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
+from .._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_float, check_int, check_tensor
 from ._triton_utils import cdiv, next_pow2
 
 # Elements per program of the atomics kernels: long coalesced loads, few atomics in flight.
@@ -400,6 +401,10 @@ _overlong_penalty_op.register_autograd(lambda ctx, grad: (None, None, None, None
 
 
 # --------------------------------------------------------------------------- public API
+def _finite_nonnegative(v: float) -> bool:
+    return math.isfinite(v) and v >= 0.0
+
+
 class GroupFilterResult(NamedTuple):
     """Output of :func:`group_filter`; every field is a device tensor (nothing was synced).
 
@@ -439,14 +444,6 @@ class GroupFilterResult(NamedTuple):
         return self
 
 
-def _check_float(name: str, value, *, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not (float(value) >= minimum) or value != value or value == float("inf"):
-        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value}")
-    return float(value)
-
-
 def group_filter(
     scores: torch.Tensor,
     group_index: Optional[torch.Tensor] = None,
@@ -483,10 +480,9 @@ def group_filter(
     """
     check_tensor("scores", scores, ndim=1, dtypes=FLOAT_DTYPES)
     N = scores.shape[0]
-    epsilon = _check_float("epsilon", epsilon, minimum=0.0)
-    min_std = _check_float("min_std", min_std, minimum=0.0)
-    if not isinstance(norm_adv_by_std, bool):
-        raise TypeError(f"norm_adv_by_std must be a bool, got {type(norm_adv_by_std).__name__}")
+    epsilon, min_std = (check_float(name, v, valid=_finite_nonnegative, expected="a finite number >= 0.0")
+                        for name, v in (("epsilon", epsilon), ("min_std", min_std)))
+    check_flag("norm_adv_by_std", norm_adv_by_std)
     if group_size is not None:
         if group_index is not None or num_groups is not None:
             raise ValueError("pass either group_size or (group_index, num_groups), not both")
@@ -530,5 +526,5 @@ def overlong_penalty(
     buf = check_int("overlong_buffer_len", overlong_buffer_len, minimum=1)
     if buf > max_len:
         raise ValueError(f"overlong_buffer_len ({buf}) must be <= max_response_length ({max_len})")
-    factor = _check_float("penalty_factor", penalty_factor, minimum=0.0)
+    factor = check_float("penalty_factor", penalty_factor, valid=_finite_nonnegative, expected="a finite number >= 0.0")
     return _overlong_penalty_op(response_lengths.detach(), float(max_len - buf), float(buf), factor)

@@ -5,7 +5,9 @@ aggregation mode is a weighted token sum ``loss = sum_i w_i * mask_i * L_i``: th
 weights ``w`` (one scalar for the token modes, one value per token for the seq modes)
 are built from the mask with a few vectorised torch ops, and one kernel computes the
 per-token loss, the weighted sum and the metric counts; the backward is one more
-elementwise kernel, ``d loss / d log_prob_i = w_i * mask_i * dL_i``.
+elementwise kernel, ``d loss / d log_prob_i = w_i * mask_i * dL_i``. The per-token terms,
+the weights and the sums are fp64 in both backends; the gradient is written in
+``log_prob``'s dtype.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_tensor
+from .._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_float, check_tensor
 from ._triton_utils import cdiv
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -267,19 +269,9 @@ def check_mask(name: str, mask, like: torch.Tensor) -> torch.Tensor:
 
 
 def check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> Tuple[float, float, float]:
-    out = []
-    for name, v in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high),
-                    ("clip_ratio_c", clip_ratio_c)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
-        out.append(float(v))
-    if not 0.0 <= out[0] < 1.0:
-        raise ValueError(f"clip_ratio_low must be in [0, 1), got {out[0]}")
-    if out[1] < 0.0:
-        raise ValueError(f"clip_ratio_high must be >= 0, got {out[1]}")
-    if out[2] <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {out[2]}")
-    return out[0], out[1], out[2]
+    return (check_float("clip_ratio_low", clip_ratio_low, valid=lambda v: 0.0 <= v < 1.0, expected="in [0, 1)"),
+            check_float("clip_ratio_high", clip_ratio_high, valid=lambda v: v >= 0.0, expected=">= 0"),
+            check_float("clip_ratio_c", clip_ratio_c, valid=lambda v: v > 1.0, expected="> 1 (dual-clip lower bound)"))
 
 
 def check_agg(mode, shape_like: torch.Tensor, cu_seqlens) -> None:
@@ -319,7 +311,8 @@ def policy_loss(
 
     Args:
         log_prob, old_log_prob, advantages: float (fp16/bf16/fp32/fp64) ``[B, T]``, or packed
-            ``[N]``; all the same shape. Math runs in fp32.
+            ``[N]``; all the same shape. The per-token math and the sums run in fp64
+            (whatever the input dtype); the loss and the metrics are returned as fp32.
         response_mask: bool or integer, same shape, nonzero = token in the loss.
         clip_ratio_low / clip_ratio_high: ratio clipped to ``[1 - low, 1 + high]``.
         clip_ratio_c: dual-clip bound (> 1) for negative advantages.

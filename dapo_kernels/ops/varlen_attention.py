@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import current_backend, dispatch, register, use_backend
-from .._validation import check_cu_seqlens, check_int, check_tensor
+from .._validation import check_cu_seqlens, check_flag, check_float, check_int, check_tensor
 from ._triton_utils import INTERPRET, cdiv
 
 # Head dims the kernels are tested with; others are refused at the boundary.
@@ -580,20 +580,10 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
 
 
-def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 def _check_scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
-    return float(softmax_scale)
+    scale = check_float("softmax_scale", softmax_scale, valid=lambda v: math.isfinite(v) and v > 0,
+                        expected="a finite positive number", or_none=True)
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 def varlen_attention(
@@ -637,8 +627,8 @@ def varlen_attention(
     _check_qkv(q, k, v)
     check_cu_seqlens(cu_seqlens, q.shape[0], device=q.device)
     max_seqlen = check_int("max_seqlen", max_seqlen, minimum=0)
-    causal = _check_flag("causal", causal)
-    return_lse = _check_flag("return_lse", return_lse)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
     scale = _check_scale(softmax_scale, q.shape[2])
     out, lse = _varlen_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.to(torch.int32).contiguous(),

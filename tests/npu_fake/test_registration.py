@@ -1,6 +1,11 @@
-"""How npu_ops is wired in: a privateuseone kernel on every dapo custom op, the torch-path
-kernels, the model's NPU ops off the NPU, and the lazy torch_npu import (missing / broken)."""
+"""How npu_ops is wired in: a privateuseone kernel on every dapo custom op, loaded through the
+entry point on the first privateuseone tensor, the torch-path kernels, the model's NPU ops off the
+NPU, and the lazy torch_npu import (missing / broken)."""
+import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +107,53 @@ def test_trainer_device_helpers(monkeypatch):
     with pytest.raises(RuntimeError, match="need torch_npu"):
         init_distributed("npu")
     _lazy.reset()
+
+
+LAZY_LOAD = textwrap.dedent(r'''
+    import sys
+    import torch
+    import dapo_kernels as dk
+    from dapo_kernels import _registry
+    assert "npu_ops" not in sys.modules, "import dapo_kernels imported npu_ops"
+    # A privateuseone device backed by Python hooks: real tensors of that device (no storage, no
+    # aten kernels), so the dispatcher routes dapo ops to their privateuseone kernels as on an NPU.
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    _setup_privateuseone_for_python_backend()
+    sys.modules["torch_npu"] = None  # the NPU kernel, once reached, says so in its own words
+    q = torch._C._acc.create_empty_tensor((3, 2, 16), torch.float32)
+    assert q.device.type == "privateuseone", q.device
+    try:
+        torch.ops.dapo.varlen_attention_fwd(q, q, q, torch.tensor([0, 3], dtype=torch.int32), 3, True, 0.25)
+    except RuntimeError as exc:
+        assert "NPU ops need torch_npu" in str(exc), exc
+    else:
+        raise AssertionError("the privateuseone call did not reach npu_ops' kernel")
+    assert "npu_ops" in sys.modules and dk.load_backends() == ["npu"]
+    assert all(sys.modules["npu_ops"].registered().values())
+
+    # An op that no backend serves: one clear error naming it (no recursion through the loader).
+    @torch.library.custom_op("dapo::backend_loader_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    _registry.install_backend_loaders()
+    try:
+        torch.ops.dapo.backend_loader_probe(q)
+    except NotImplementedError as exc:
+        assert "dapo::backend_loader_probe" in str(exc) and "npu" in str(exc), exc
+    else:
+        raise AssertionError("no error for an op without a privateuseone kernel")
+    print("OK")
+''')
+
+
+def test_first_privateuseone_tensor_loads_npu_ops_through_its_entry_point():
+    from torch.utils import backend_registration
+
+    if not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
+        pytest.skip("this torch has no Python privateuseone backend hooks to make privateuseone tensors with")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", LAZY_LOAD], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -1,7 +1,8 @@
 """End to end through the dispatcher, in a fresh process.
 
-1. ``import dapo_kernels`` / ``dapo_trainer.model`` never tries to import torch_npu (a
-   torch_npu on the path that would leave a marker and raise is never touched).
+1. ``import dapo_kernels`` / ``dapo_trainer.model`` imports no npu_ops and never tries to import
+   torch_npu (a torch_npu on the path that would leave a marker and raise is never touched);
+   npu_ops is then found through its ``dapo_kernels.backends`` entry point.
 2. The public ``dk.*`` calls (forward and backward) give the same results when every
    dapo custom op is routed to its npu_ops kernel: there is no NPU here, so the kernels
    are registered on the CPU key instead of privateuseone, with the fake torch_npu.
@@ -22,7 +23,11 @@ SCRIPT = textwrap.dedent(r'''
     marker = sys.argv[1]
     import dapo_kernels as dk
     import dapo_trainer.model  # noqa: F401
-    import npu_ops
+    assert "npu_ops" not in sys.modules, "import dapo_kernels / dapo_trainer.model imported npu_ops"
+    # npu_ops is found through its entry point (group dapo_kernels.backends), as on first NPU use.
+    assert dk.load_backends() == ["npu"], dk.load_backends()
+    npu_ops = sys.modules["npu_ops"]
+    assert all(npu_ops.registered().values())
     assert "torch_npu" not in sys.modules and not os.path.exists(marker), "an import tried torch_npu"
 
     def leaf(*shape, dtype=torch.float32):

@@ -1,0 +1,14 @@
+"""The ops' argument checks, for code built on the ops (the reference trainer, users' own models).
+
+Same contract as the ops: every check raises before anything is written, ``TypeError`` for a
+wrong Python type and ``ValueError`` for a wrong shape, dtype, device or content, with a
+message naming the argument.
+
+* :func:`check_tensor` ``(name, t, *, ndim, dtypes, device, shape)`` - a tensor argument;
+* :func:`check_int` / :func:`check_float` / :func:`check_flag` - Python scalars (bool is not a number);
+* :func:`check_cu_seqlens` ``(cu_seqlens, total_tokens)`` - packed-sequence boundaries (one host sync);
+* ``FLOAT_DTYPES`` / ``INT_DTYPES`` - the dtypes the ops accept for floats / integer ids and masks.
+"""
+from ._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_flag, check_float, check_int, check_tensor
+
+__all__ = ["check_tensor", "check_int", "check_float", "check_flag", "check_cu_seqlens", "FLOAT_DTYPES", "INT_DTYPES"]

@@ -1,0 +1,168 @@
+"""Imports go one way: dapo_kernels (bottom) <- npu_ops <- dapo_trainer, with no cycle.
+
+The static imports of every module of the three packages (module level and inside functions,
+relative ones resolved) form a graph; the test fails on
+
+* an upward edge (dapo_kernels -> npu_ops or dapo_trainer, npu_ops -> dapo_trainer);
+* npu_ops importing anything of dapo_kernels but ``dapo_kernels.backend_api`` (the backend contract);
+* dapo_trainer importing a private module of dapo_kernels (a path segment starting with ``_``);
+* inside a package, ``parallel`` imported by the model side (``dapo_trainer.model`` may import the
+  leaf ``dapo_trainer.parallel.collectives`` only);
+* any import cycle between modules.
+
+It also checks the runtime side in a fresh interpreter: ``import dapo_kernels`` loads nothing of
+npu_ops or dapo_trainer.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dapo_kernels", "npu_ops", "dapo_trainer")
+LAYER = {name: i for i, name in enumerate(PACKAGES)}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict:
+    """{module name: (path, is_package)} of every .py file in the three packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            out[_module_name(path)] = (path, path.name == "__init__.py")
+    return out
+
+
+def _resolve(base: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    parts = base.split(".")
+    if not is_package:
+        parts = parts[:-1]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _extensions() -> set:
+    """Compiled modules (``dapo_kernels._C``): ``from . import _C`` imports them, not the package."""
+    return {".".join(p.relative_to(ROOT).parts[:-1] + (p.name.split(".")[0],))
+            for pkg in PACKAGES for p in (ROOT / pkg).rglob("*") if p.suffix in (".so", ".pyd")}
+
+
+def _graph(modules: dict) -> dict:
+    """{module: {imported project module}}; ``from pkg import name`` counts as importing ``pkg.name``
+    when that is a module (or a compiled extension), else ``pkg``."""
+    submodules = set(modules) | _extensions()
+    edges = {}
+    for name, (path, is_package) in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                mod = _resolve(name, is_package, node)
+                for alias in node.names:
+                    sub = f"{mod}.{alias.name}"
+                    targets.add(sub if sub in submodules else mod)
+        edges[name] = {t for t in targets if t in modules and t != name}
+    return edges
+
+
+def _cycles(edges: dict) -> list:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_sees_the_known_edges():
+    """The graph is not vacuous: edges that must exist are found."""
+    edges = _graph(_modules())
+    assert "dapo_kernels.backend_api" in edges["npu_ops"]
+    assert "dapo_trainer.parallel.collectives" in edges["dapo_trainer.model"]
+    assert "dapo_trainer.model" in edges["dapo_trainer.parallel.tensor"]
+    assert "dapo_kernels.ops._row_stats" in edges["dapo_kernels.ops.linear_log_probs"]
+    assert len(edges) > 50
+
+
+def test_no_upward_import():
+    edges = _graph(_modules())
+    bad = [(a, b) for a, targets in edges.items() for b in targets
+           if LAYER[b.split(".")[0]] > LAYER[a.split(".")[0]]]
+    assert not bad, f"upward imports (dapo_kernels <- npu_ops <- dapo_trainer): {sorted(bad)}"
+
+
+def test_npu_ops_uses_only_the_backend_api():
+    edges = _graph(_modules())
+    bad = [(a, b) for a, targets in edges.items() if a.startswith("npu_ops") for b in targets
+           if b.startswith("dapo_kernels") and b != "dapo_kernels.backend_api"]
+    assert not bad, f"npu_ops may import only dapo_kernels.backend_api: {sorted(bad)}"
+
+
+def test_trainer_uses_no_private_module_of_dapo_kernels():
+    edges = _graph(_modules())
+    bad = [(a, b) for a, targets in edges.items() if a.startswith("dapo_trainer") for b in targets
+           if b.startswith("dapo_kernels") and any(p.startswith("_") for p in b.split("."))]
+    assert not bad, f"dapo_trainer imports private dapo_kernels modules: {sorted(bad)}"
+
+
+def test_model_imports_only_the_collectives_of_parallel():
+    edges = _graph(_modules())
+    model_side = [m for m in edges if m.startswith("dapo_trainer.") and not m.startswith("dapo_trainer.parallel")]
+    bad = [(a, b) for a in model_side for b in edges[a]
+           if a == "dapo_trainer.model" and b.startswith("dapo_trainer.parallel") and
+           b != "dapo_trainer.parallel.collectives"]
+    coll = edges["dapo_trainer.parallel.collectives"]
+    assert not bad, f"the model imports parallel/ beyond its collectives: {bad}"
+    assert not {b for b in coll if b.startswith("dapo_trainer")}, f"collectives must be a leaf: {coll}"
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_graph(_modules()))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_import_dapo_kernels_loads_no_upper_layer():
+    code = ("import sys, dapo_kernels\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('npu_ops', 'dapo_trainer', 'torch_npu'))\n"
+            "assert not bad, bad\nprint('OK')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -1,7 +1,8 @@
 """Backend registry: which implementation of an op runs for a given device.
 
-Every public op is a ``torch.library`` custom op in the ``dapo`` namespace. Its
-device-generic body calls :func:`dispatch`, which picks an implementation here:
+The tensor ops are ``torch.library`` custom ops in the ``dapo`` namespace (``kl_penalty``,
+the balancing functions and the accumulator are not). A custom op's device-generic body
+calls :func:`dispatch`, which picks an implementation here:
 
 ================  =========================  ======================================
 device type       default backend            where it lives

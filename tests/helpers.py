@@ -1,4 +1,5 @@
-"""Shared test helpers: readable ids, backends, dtype tolerances, poisoning checks.
+"""Shared test helpers: readable ids, backends, dtype tolerances, poisoning checks, and the
+rendezvous of multi-process (gloo) tests.
 
 Tolerance rule of the project: an op in dtype ``d`` may differ from the float64
 reference by at most 2x the error that plain torch makes computing the same thing in
@@ -7,7 +8,9 @@ reference by at most 2x the error that plain torch makes computing the same thin
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+import os
+import socket
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -43,6 +46,14 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
     return (a.double() - b.double()).abs().max().item()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float64; 0 for empty tensors, and a zero ``b`` counts as 1e-30
+    (so ``a == b == 0`` is 0, not NaN)."""
+    if b.numel() == 0:
+        return 0.0
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def assert_close_to_ref(
@@ -111,4 +122,34 @@ def assert_unchanged(before, *tensors) -> None:
                                      and torch.equal(a.nan_to_num(), b.nan_to_num())), f"input {i} was modified"
 
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "math", "torch", "dk")]
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_group_entry(rank: int, worker: Callable, world: int, port: int, backend: str, init_kw: dict, args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world, **init_kw)
+    try:
+        worker(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_process_group(worker: Callable, world: int, *args, backend: str = "gloo", **init_kw) -> None:
+    """Run ``worker(rank, *args)`` in ``world`` spawned processes joined in one process group
+    (``backend``, rendezvous on a free local port, ``init_kw`` passed to ``init_process_group``),
+    destroyed when the worker returns or raises; waits for all of them. ``worker`` must be a
+    module-level function (spawn pickles it)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_process_group_entry, args=(worker, world, free_port(), backend, init_kw, args),
+                       nprocs=world, start_method="spawn", join=True)
+
+
+__all__ = [n for n in dir() if not n.startswith("_")
+           and n not in ("annotations", "math", "os", "socket", "torch", "dk", "Callable", "Iterable", "Optional")]

@@ -1,7 +1,6 @@
 """npu_ops.linear_log_probs (the NPU kernels of linear_log_probs / fused_linear_policy_loss) on CPU tensors:
 pure torch, so it runs here as it would on the NPU; checked against the float64 references
 with several token chunks per call."""
-import math
 from unittest import mock
 
 import pytest
@@ -13,7 +12,7 @@ from dapo_kernels.ops.policy_loss import aggregation_weights
 from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
 from npu_ops import linear_log_probs as loss
 from tests.helpers import assert_close_to_ref, case_id
-from tests.ops.test_linear_log_probs import TORCH_WAYS, worst_of
+from tests.linear_log_probs_ways import TORCH_WAYS, make_linear, worst_of
 
 N, H, V = 37, 24, 50
 CHUNK_ROWS = 8  # 5 chunks, the last one partial
@@ -22,12 +21,6 @@ CHUNK_ROWS = 8  # 5 chunks, the last one partial
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(loss, "CHUNK_BYTES", 4 * V * CHUNK_ROWS)
-
-
-def _inputs(dtype):
-    hidden = torch.randn(N, H).to(dtype)
-    weight = (torch.randn(V, H) * 2.0 / math.sqrt(H)).to(dtype)
-    return hidden, weight, torch.randint(0, V, (N,))
 
 
 def _ref_grads(fn, hidden, weight, compute_dtype):
@@ -40,7 +33,7 @@ def _ref_grads(fn, hidden, weight, compute_dtype):
 
 def _torch_low(fn, hidden, weight, ref64):
     """Plain torch's own fp32 result per quantity: the worst of its usual log-prob formulations
-    (as tests/ops/test_linear_log_probs.py), in ``_ref_grads``' layout."""
+    (tests/linear_log_probs_ways.py), in ``_ref_grads``' layout."""
     n_out = len(ref64[0])
     runs = []
     for way in TORCH_WAYS:
@@ -54,7 +47,7 @@ def _torch_low(fn, hidden, weight, ref64):
 @pytest.mark.parametrize("dtype,temp", [(torch.float32, 0.7), (torch.bfloat16, 1.0)],
                          ids=[case_id(dtype=torch.float32), case_id(dtype=torch.bfloat16)])
 def test_linear_log_probs_forward_backward(dtype, temp):
-    hidden, weight, labels = _inputs(dtype)
+    hidden, weight, labels = make_linear(N, H, V, dtype)
     log_prob, ent, rows = loss.linear_log_probs(hidden, weight, labels, temp, True, 0, "")
     assert rows.dtype == torch.float64 and rows.shape == (5, N)  # the op's contract: fp64 rows for the backward
     g_lp, g_ent = torch.randn(N), torch.randn(N)
@@ -75,7 +68,7 @@ def test_linear_log_probs_forward_backward(dtype, temp):
 
 def test_linear_log_probs_without_entropy_and_vocab_shard():
     """A vocab shard [vocab_start, vocab_start + V): labels outside it give no target logit."""
-    hidden, weight, labels = _inputs(torch.float32)
+    hidden, weight, labels = make_linear(N, H, V, torch.float32)
     lp_sh, ent_sh, (lse_sh, *_) = loss.linear_log_probs(hidden, weight[20:], labels, 1.0, False, 20, "")
     full_lp, _, (full_lse, *_) = loss.linear_log_probs(hidden, weight, labels, 1.0, False, 0, "")
     lse_sh, full_lse = lse_sh.float(), full_lse.float()
@@ -88,7 +81,7 @@ def test_linear_log_probs_without_entropy_and_vocab_shard():
 
 @pytest.mark.parametrize("ent_coef,kl_coef", [(0.0, 0.0), (0.01, 0.1)], ids=["pg", "pg-ent-kl"])
 def test_fused_linear_policy_loss(ent_coef, kl_coef):
-    hidden, weight, labels = _inputs(torch.float32)
+    hidden, weight, labels = make_linear(N, H, V, torch.float32)
     old = -torch.rand(N) * 3
     adv, ref = torch.randn(N), -torch.rand(N) * 3
     mask = torch.rand(N) > 0.2
@@ -128,7 +121,7 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
 
 
 def test_fused_without_grad_or_tokens():
-    hidden, weight, labels = _inputs(torch.float32)
+    hidden, weight, labels = make_linear(N, H, V, torch.float32)
     mask = torch.zeros(0, dtype=torch.bool)
     tokens = [torch.zeros(0), torch.zeros(0), mask, aggregation_weights(mask, "token-mean"), torch.zeros(0)]
     sums, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(

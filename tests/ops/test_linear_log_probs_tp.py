@@ -1,40 +1,28 @@
 """Vocab-parallel linear_log_probs / fused_linear_policy_loss on 2 CPU processes (gloo) equal the
 unsharded op within 2x plain torch's own fp32 error."""
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import spawn_process_group
+
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, seed: int, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(seed)  # same full inputs on both ranks
-        n, h, v = 21, 24, 2 * 130
-        hidden = torch.randn(n, h)
-        weight = torch.randn(v, h) * 0.4
-        labels = torch.randint(0, v, (n,))
-        old, adv, mask = -3 * torch.rand(n), torch.randn(n), torch.rand(n) > 0.2
-        cot = torch.randn(n), torch.randn(n)
-        shard = slice(rank * v // WORLD, (rank + 1) * v // WORLD)
-        kw = dict(old_log_prob=old, advantages=adv, response_mask=mask, entropy_coeff=0.01,
-                  ref_log_prob=old + 0.1, kl_coef=0.1, temperature=0.7)
-        for be in ("torch", "triton"):
-            _compare(rank, be, hidden, weight, labels, shard, cot, kw, errors)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, seed: int, errors):
+    torch.manual_seed(seed)  # same full inputs on both ranks
+    n, h, v = 21, 24, 2 * 130
+    hidden = torch.randn(n, h)
+    weight = torch.randn(v, h) * 0.4
+    labels = torch.randint(0, v, (n,))
+    old, adv, mask = -3 * torch.rand(n), torch.randn(n), torch.rand(n) > 0.2
+    cot = torch.randn(n), torch.randn(n)
+    shard = slice(rank * v // WORLD, (rank + 1) * v // WORLD)
+    kw = dict(old_log_prob=old, advantages=adv, response_mask=mask, entropy_coeff=0.01,
+              ref_log_prob=old + 0.1, kl_coef=0.1, temperature=0.7)
+    for be in ("torch", "triton"):
+        _compare(rank, be, hidden, weight, labels, shard, cot, kw, errors)
 
 
 def _references(hidden, weight, labels, cot, kw):
@@ -44,11 +32,11 @@ def _references(hidden, weight, labels, cot, kw):
 
     import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
     from dapo_kernels.reference import fused_linear_policy_loss_ref
-    from tests.ops.test_linear_log_probs import TORCH_WAYS, _llp_vocab_chunks, grads_of, worst_of
+    from tests.linear_log_probs_ways import TORCH_WAYS, grads_of, llp_vocab_chunks, worst_of
 
     # Plus torch the Megatron way: log-softmax combined from per-shard statistics.
     def per_shard(h, w, lab, t):
-        return _llp_vocab_chunks(h, w, lab, t, cols=w.shape[0] // WORLD)
+        return llp_vocab_chunks(h, w, lab, t, cols=w.shape[0] // WORLD)
 
     ways = TORCH_WAYS + (per_shard,)
 
@@ -104,6 +92,6 @@ def _compare(rank, be, hidden, weight, labels, shard, cot, kw, errors):
 def test_vocab_parallel_equals_unsharded(_seed_per_test):
     """Both backends in one spawn (the process start-up is the expensive part)."""
     errors = mp.Manager().list()
-    mp.spawn(_worker, args=(_free_port(), _seed_per_test, errors), nprocs=WORLD, join=True)
+    spawn_process_group(_worker, WORLD, _seed_per_test, errors)
     errors = list(errors)
     assert not errors, "\n".join(errors)

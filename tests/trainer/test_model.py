@@ -13,7 +13,7 @@ import torch
 
 import dapo_kernels as dk
 from dapo_trainer import ModelConfig, Transformer, config_from_hf, load_hf_model, read_hf_config, save_hf_model
-from tests.helpers import cu_seqlens_from
+from tests.helpers import cu_seqlens_from, rel_err
 
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers (requirements-dev.txt)")
 
@@ -76,10 +76,6 @@ def hf_logits(hf, ids, mask):
 def ours_logits(model, packed, cu, S):
     with torch.no_grad():
         return model.logits(model(packed, cu, S))
-
-
-def rel_err(a, b) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def test_logits_match_transformers_and_survive_save(hf_checkpoint, tmp_path):

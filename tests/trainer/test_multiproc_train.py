@@ -1,6 +1,5 @@
 """torchrun with DP=2 and with TP=2 on two CPU processes (gloo) gives the losses of one process."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -9,6 +8,7 @@ import pytest
 from dapo_trainer.config import load_config
 from dapo_trainer.metrics import read_metrics
 from dapo_trainer.trainer import DAPOTrainer
+from tests.helpers import free_port
 from tests.trainer.tiny import micro_setup
 
 # Two steps of two mini-batches: step 2 starts from weights the parallel update produced,
@@ -19,15 +19,9 @@ COMPARED = ["actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfr
             "critic/rewards/mean", "train/kept_groups"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(overrides, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "dapo_trainer.train", *overrides]
+           "--master_port", str(free_port()), "-m", "dapo_trainer.train", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

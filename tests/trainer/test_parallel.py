@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dapo_trainer import ModelConfig, Transformer, load_hf_model, save_hf_model
 from dapo_trainer.parallel import (
@@ -31,7 +29,7 @@ from dapo_trainer.parallel import (
     tp_shard_dims,
     unshard,
 )
-from tests.helpers import cu_seqlens_from, max_abs_err
+from tests.helpers import cu_seqlens_from, max_abs_err, rel_err, spawn_process_group
 
 # Float32 equality bound set by the issue (max |parallel - single| / max |single|).
 RTOL = 1e-5
@@ -114,11 +112,8 @@ def _run_scenario(name: str, scenario: str, ids_list, workdir: str, group) -> di
                 master_dtypes={p.dtype for p in model.parameters()})
 
 
-def _worker(rank: int, port: int, workdir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, workdir: str):
     torch.set_num_threads(1)
-    dist.init_process_group(backend_for_device("cpu"), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
     ids_list = torch.load(os.path.join(workdir, "inputs.pt"))
     results = {(name, sc): _run_scenario(name, sc, ids_list, workdir, dist.group.WORLD)
                for name in CONFIGS for sc in SCENARIOS}
@@ -131,19 +126,6 @@ def _worker(rank: int, port: int, workdir: str):
     except ValueError as e:
         results["tp_error"] = str(e)
     torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rel_err(a, b) -> float:
-    if b.numel() == 0:
-        return 0.0
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def _reference(ckpt: str, ids_list, dtype) -> dict:
@@ -182,7 +164,8 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
         refs[name] = _reference(str(tmp_path / name), ids_list, torch.float32)
     mixed_ref = _reference(str(tmp_path / MIXED[0]), ids_list, torch.bfloat16)
 
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
+    spawn_process_group(_worker, WORLD, str(tmp_path), backend=backend_for_device("cpu"),
+                        timeout=datetime.timedelta(seconds=120))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     failures, table = [], []

@@ -7,12 +7,10 @@ import math
 import pytest
 import torch
 
-import dapo_kernels as dk
 from dapo_trainer.model import ModelConfig, Transformer
 from dapo_trainer.rollout import FINISH_LENGTH, FINISH_STOP, RolloutConfig, make_rollout, naive_generate
 from dapo_trainer.rollout.embedded import request_keys, sample_tokens, step_uniforms
-
-V = 32
+from tests.trainer.rollout_checks import V, check_layout, random_prompts, recomputed_log_probs
 
 
 def tiny_model(std: float = 0.3, vocab: int = V, **kw) -> Transformer:
@@ -20,10 +18,6 @@ def tiny_model(std: float = 0.3, vocab: int = V, **kw) -> Transformer:
                head_dim=16, max_position_embeddings=128)
     cfg.update(kw)
     return Transformer(ModelConfig(**cfg)).init_weights(std=std).eval()
-
-
-def random_prompts(b: int, max_len: int = 9, vocab: int = V) -> list:
-    return [torch.randint(0, vocab, (int(torch.randint(1, max_len + 1, ())),)).tolist() for _ in range(b)]
 
 
 @pytest.fixture(autouse=True)
@@ -44,27 +38,6 @@ def model():
 @pytest.fixture
 def engine(model):
     return make_rollout(RolloutConfig(name="embedded"), model)
-
-
-@torch.no_grad()
-def recomputed_log_probs(model, out, temperature):
-    """Log-probs of every response token from one packed forward of prompt + response."""
-    ids, cu, mask = out.sequences()
-    hidden = model(ids, cu, int((cu[1:] - cu[:-1]).max()))
-    lp, _ = dk.linear_log_probs(hidden[:-1], model.lm_head.weight, ids[1:], temperature=temperature)
-    return lp[mask[1:]], hidden, ids, mask
-
-
-def check_layout(out, num_prompts, n, max_new):
-    N = num_prompts * n
-    assert out.num_responses == N and out.n == n
-    assert torch.equal(out.group_index, torch.arange(num_prompts).repeat_interleave(n))
-    assert out.cu_seqlens.dtype == torch.int32 and out.cu_seqlens.shape == (N + 1,)
-    assert torch.equal(out.cu_seqlens[1:].long() - out.cu_seqlens[:-1].long(), out.lengths)
-    assert out.response_ids.shape == out.log_probs.shape == (int(out.cu_seqlens[-1]),)
-    assert out.log_probs.dtype == torch.float32 and out.response_ids.dtype == torch.int64
-    assert bool((out.lengths >= 1).all()) and bool((out.lengths <= max_new).all())
-    assert bool((out.log_probs <= 0).all())
 
 
 def test_greedy_matches_argmax_of_full_recomputation(model, engine):

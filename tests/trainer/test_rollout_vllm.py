@@ -15,8 +15,7 @@ import torch
 
 from dapo_trainer.model import ModelConfig, Transformer
 from dapo_trainer.rollout import FINISH_STOP, RolloutConfig, make_rollout
-
-from .test_rollout_embedded import check_layout, random_prompts, recomputed_log_probs
+from tests.trainer.rollout_checks import check_layout, random_prompts, recomputed_log_probs
 
 pytestmark = pytest.mark.vllm
 

@@ -1,0 +1,139 @@
+"""dk.fused_linear_policy_loss against the float64 full-logits reference (verl's actor loss),
+within 2x plain torch's own error (the worst of its usual log-prob ways, swapped into the
+reference's log-prob step); no-grad, masked, upstream-grad and bad-input behaviour."""
+from unittest import mock
+
+import pytest
+import torch
+
+import dapo_kernels as dk
+import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
+from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
+from tests.helpers import assert_close_to_ref, backend, cu_seqlens_from
+from tests.linear_log_probs_ways import TORCH_WAYS, fused_inputs, make_linear, worst_of
+
+
+FUSED_CASES = [
+    # mode, entropy_coeff, kl_coef, kl_type, packed cu_seqlens lengths
+    ("token-mean", 0.0, 0.0, "low_var_kl", None),
+    ("token-mean", 0.01, 0.1, "low_var_kl", None),
+    ("token-sum", 0.0, 0.05, "kl", None),
+    ("seq-mean-token-sum", 0.02, 0.1, "abs", [10, 0, 27]),
+    ("seq-mean-token-mean", 0.0, 0.1, "mse", [1, 20, 16]),
+    ("seq-mean-token-sum-norm", 0.01, 0.0, "low_var_kl", [30, 7]),
+]
+
+
+def _fused_id(c):
+    return f"{c[0]}-ent{c[1]}-kl{c[2]}-{c[3]}"
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode,ec,kc,kl_type,lengths", [pytest.param(*c, id=_fused_id(c)) for c in FUSED_CASES])
+def test_fused_matches_reference(be, mode, ec, kc, kl_type, lengths):
+    N, H, V = 37, 32, 200
+    hidden, weight, labels = make_linear(N, H, V, torch.float32)
+    tok = fused_inputs(N, V)
+    kw = dict(temperature=0.6, loss_agg_mode=mode, entropy_coeff=ec, kl_coef=kc, kl_type=kl_type,
+              cu_seqlens=cu_seqlens_from(lengths) if lengths else None, **tok)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with backend(be):
+        loss, metrics = dk.fused_linear_policy_loss(h, w, labels, **kw)
+        dh, dw = torch.autograd.grad(loss, [h, w])
+
+    def ref(dt, llp=linear_log_probs_ref):
+        kw_dt = {k: (v.to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+        h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+        with mock.patch.object(ref_fused, "linear_log_probs_ref", llp):  # the reference's log-prob step
+            r_loss, r_met, r_lp, r_ent = fused_linear_policy_loss_ref(h, w, labels, **kw_dt)
+        return (r_loss, r_lp, r_ent, *torch.autograd.grad(r_loss, [h, w]),
+                *(r_met[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")))
+
+    r_loss, r_lp, r_ent, r_dh, r_dw, *r_met = r64 = ref(torch.float64)
+    t_loss, t_lp, t_ent, t_dh, t_dw, *t_met = worst_of([ref(torch.float32, f) for f in TORCH_WAYS], r64)
+    r_met, t_met = (dict(zip(("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"), m)) for m in (r_met, t_met))
+    assert_close_to_ref(loss, r_loss, t_loss, name="loss")
+    assert_close_to_ref(dh, r_dh, t_dh, name="dhidden")
+    assert_close_to_ref(dw, r_dw, t_dw, name="dweight")
+    assert_close_to_ref(metrics["log_prob"], r_lp, t_lp, name="log_prob")
+    for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        assert_close_to_ref(metrics[k], r_met[k], t_met[k], name=k)
+    assert ("entropy" in metrics) == bool(ec) and ("kl_loss" in metrics) == bool(kc)
+    if ec:
+        assert_close_to_ref(metrics["entropy"], r_ent, t_ent, name="entropy")
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_fused_no_grad_same_loss_and_all_masked_zero(be):
+    hidden, weight, labels = make_linear(12, 16, 150, torch.float32)
+    tok = fused_inputs(12, 150, ref=False)
+    with backend(be):
+        with torch.no_grad():
+            a, ma = dk.fused_linear_policy_loss(hidden, weight, labels, **tok)
+        h = hidden.clone().requires_grad_()
+        b, mb = dk.fused_linear_policy_loss(h, weight, labels, **tok)
+        assert torch.allclose(a, b, rtol=0, atol=0) and torch.equal(ma["log_prob"], mb["log_prob"])
+        tok["response_mask"] = torch.zeros(12, dtype=torch.bool)
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            w = weight.clone().requires_grad_()
+            z, _ = dk.fused_linear_policy_loss(h, w, labels, loss_agg_mode=mode,
+                                               cu_seqlens=torch.tensor([0, 5, 12]) if mode != "token-mean" else None,
+                                               **tok)
+            g, g_w = torch.autograd.grad(z, [h, w])
+            assert z.item() == 0.0 and torch.equal(g, torch.zeros_like(g)) and torch.equal(g_w, torch.zeros_like(g_w))
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("mismatched-N", ValueError, "labels"),
+    ("label-out-of-range", ValueError, "labels must lie"),
+    ("negative-label", ValueError, "labels must lie"),
+    ("int-hidden", ValueError, "hidden"),
+    ("weight-dtype", ValueError, "weight"),
+    ("float-mask", ValueError, "response_mask"),
+    ("kl-without-ref", ValueError, "ref_log_prob"),
+    ("bad-kl-type", ValueError, "kl_type"),
+    ("zero-temperature", ValueError, "temperature"),
+])
+def test_bad_input(case, exc, match):
+    hidden, weight, labels = make_linear(6, 16, 100, torch.float32)
+    tok = fused_inputs(6, 100, ref=False)
+    kw = {}
+    if case == "mismatched-N":
+        labels = labels[:5]
+    elif case == "label-out-of-range":
+        labels[2] = 100
+    elif case == "negative-label":
+        labels[0] = -100
+    elif case == "int-hidden":
+        hidden = hidden.long()
+    elif case == "weight-dtype":
+        weight = weight.double()
+    elif case == "float-mask":
+        tok["response_mask"] = tok["response_mask"].float()
+    elif case == "kl-without-ref":
+        kw["kl_coef"] = 0.1
+    elif case == "bad-kl-type":
+        kw["kl_type"] = "full"
+    elif case == "zero-temperature":
+        kw["temperature"] = 0.0
+    with pytest.raises(exc, match=match):
+        dk.fused_linear_policy_loss(hidden, weight, labels, **tok, **kw)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_fused_upstream_grad_scales_and_second_backward_refused(be):
+    """The gradients are computed in the forward and scaled in place by the upstream grad: a
+    loss weight must reach them, and a retained graph must not hand over the buffers twice."""
+    hidden, weight, labels = make_linear(12, 16, 150, torch.float32)
+    tok = fused_inputs(12, 150, ref=False)
+    grads = []
+    for scale in (1.0, 0.25):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with backend(be):
+            loss, _ = dk.fused_linear_policy_loss(h, w, labels, **tok)
+        (scale * loss).backward(retain_graph=True)
+        grads.append((h.grad, w.grad))
+    # x 0.25 is exact in binary floating point
+    assert torch.equal(grads[1][0], 0.25 * grads[0][0]) and torch.equal(grads[1][1], 0.25 * grads[0][1])
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()

@@ -206,7 +206,9 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
 
 
 def load_reward_fn(path: str, name: str = "compute_score") -> ScoreFn:
-    """The function ``name`` from the Python file at ``path`` (``custom_reward_function``)."""
+    """The function ``name`` from the Python file at ``path`` (``custom_reward_function``).
+
+    The file is executed as Python code with the trainer's rights, as verl does: only trusted code."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"custom_reward_function.path must be a file path, got {path!r}")
     if not isinstance(name, str) or not name:

@@ -10,6 +10,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ._cache import per_tensor_cache
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -85,20 +87,32 @@ def check_float(name: str, value, *, valid: Optional[Callable[[float], bool]] = 
     return float(value)
 
 
+@per_tensor_cache
+def cu_seqlens_boundaries(cu_seqlens: torch.Tensor) -> tuple:
+    """(first, last, number of decreasing steps) of a non-empty ``cu_seqlens``: one transfer of three
+    scalars, read once per batch (every layer of a packed model passes the same tensor)."""
+    c = cu_seqlens.detach()
+    steps = (c[1:] < c[:-1]).sum().long() if c.numel() > 1 else c[0].long() * 0
+    return tuple(torch.stack([c[0].long(), c[-1].long(), steps]).tolist())
+
+
+@per_tensor_cache
+def index_range(indices: torch.Tensor) -> tuple:
+    """(min, max) of a non-empty index tensor, read once per tensor."""
+    return tuple(torch.stack(torch.aminmax(indices)).tolist())
+
+
 def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens", device=None) -> int:
     """Validate cumulative sequence lengths; return the batch size.
 
     Expected: int32 (or int64) 1-D ``[B+1]``, ``cu_seqlens[0] == 0``, non-decreasing,
-    ``cu_seqlens[-1] == total_tokens``. Reading the tensor costs one host sync.
+    ``cu_seqlens[-1] == total_tokens``. Reading the tensor costs one host sync the first time a
+    given tensor (at a given version) is checked; later checks of it read nothing.
     """
     check_tensor(name, cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must have at least one element (B+1 with B >= 0), got 0")
-    c = cu_seqlens.detach()
-    # One transfer of three scalars instead of three syncs.
-    first, last, bad = torch.stack(
-        [c[0].long(), c[-1].long(), (c[1:] < c[:-1]).sum().long() if c.numel() > 1 else c[0].long() * 0]
-    ).tolist()
+    first, last, bad = cu_seqlens_boundaries(cu_seqlens)
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
     if bad:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .._alloc import cpu_bulk_output, empty_output
 from .._registry import dispatch, register
-from .._validation import INT_DTYPES, check_int, check_tensor
+from .._validation import INT_DTYPES, check_int, check_tensor, cu_seqlens_boundaries, index_range
 from ._triton_utils import cdiv, next_pow2
 
 # Rows per program: enough to hide the row-map load latency, small enough that a
@@ -238,14 +238,24 @@ def unpad_input(
     flat = all_mask.reshape(-1)
     count = torch.cumsum(flat, dim=0)  # tokens up to and including each position
     max_len = seqlens.max() if B > 0 else seqlens.new_zeros(())
-    nnz, max_seqlen = torch.stack([count[-1] if flat.numel() else count.new_zeros(()),
-                                   max_len.to(count.dtype)]).tolist()
+    # First and last selected positions ride along in the same transfer: the exact range of
+    # ``indices``, so that pad_input can check them later without reading them.
+    if flat.numel():
+        first, last = flat.int().argmax(), flat.numel() - 1 - flat.flip(0).int().argmax()
+        head = [count[-1], first.to(count.dtype), last.to(count.dtype)]
+    else:
+        head = [count.new_zeros(())] * 3
+    nnz, lo, hi, max_seqlen = torch.stack(head + [max_len.to(count.dtype)]).tolist()
     # The i-th token sits at the first position whose running count reaches i+1.
     indices = _first_position_reaching(count, nnz)
     feat_shape = hidden_states.shape[2:]
     # Explicit widths: reshape(-1) is ambiguous for empty tensors and new_empty would cut the graph.
     x2d = hidden_states.reshape(B * S, feat_shape.numel())
     x_unpad = index_rows(x2d, indices).reshape((nnz,) + tuple(feat_shape))
+    # Valid by construction: checking them again (pad_input, a packed model's layers) reads nothing.
+    if nnz:
+        index_range.prime(indices, value=(lo, hi))
+    cu_seqlens_boundaries.prime(cu_seqlens, value=(0, nnz, 0))
     return x_unpad, indices, cu_seqlens, int(max_seqlen), seqused
 
 
@@ -259,7 +269,8 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         batch, seqlen: the padded shape.
 
     Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
-    Host synchronisation: one, for the range check of ``indices``.
+    Host synchronisation: one, for the range check of ``indices``, unless they are those
+    :func:`unpad_input` returned (valid by construction: none).
     Differentiable w.r.t. ``hidden_states``; the backward is a gather (:func:`unpad_input`'s op).
     """
     check_tensor("hidden_states", hidden_states)
@@ -275,7 +286,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     if nnz > num_rows:
         raise ValueError(f"hidden_states has {nnz} tokens, more than batch*seqlen = {num_rows}")
     if nnz:
-        lo, hi = torch.stack(torch.aminmax(indices)).tolist()
+        lo, hi = index_range(indices)
         if lo < 0 or hi >= num_rows:
             raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
     feat_shape = hidden_states.shape[1:]

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty_output
+from .._cache import per_tensor_cache
 from .._registry import current_backend, dispatch, register, use_backend
 from .._validation import check_cu_seqlens, check_flag, check_float, check_int, check_tensor
 from . import _varlen_attention_cpu  # noqa: F401  (registers the torch path)
@@ -347,6 +348,7 @@ def _varlen_attention_bwd_dq_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+@per_tensor_cache  # once per batch, not per layer
 def _work_list(cu_seqlens: torch.Tensor, total_tokens: int, block: int, causal: bool, per_key: bool):
     """int32 ``[n, 2]`` (sequence, block) pairs, most expensive first (LPT), built on the
     device without a host sync.
@@ -387,7 +389,7 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
     if T == 0:
         return out, lse
     block = _outer_block(D)
-    work = _work_list(cu_seqlens, T, block, causal, per_key=False)
+    work = _work_list(cu_seqlens, T, block, causal, False)
     _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
         q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], softmax_scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **_dtype_meta(q.dtype),
@@ -417,11 +419,11 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     delta = _launch_delta(out, dout)
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **_dtype_meta(q.dtype))
     scales = (softmax_scale * _LOG2E, softmax_scale)
-    work_kv = _work_list(cu_seqlens, T, block, causal, per_key=True)
+    work_kv = _work_list(cu_seqlens, T, block, causal, True)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block, **meta,
     )
-    work_q = _work_list(cu_seqlens, T, block, causal, per_key=False)
+    work_q = _work_list(cu_seqlens, T, block, causal, False)
     _varlen_attention_bwd_dq_kernel[(work_q.shape[0] * Hq,)](
         q, k, v, dout, lse, delta, dq, cu_seqlens, work_q, T, Hq, Hq // Hkv, *scales, BLOCK_M=block, **meta,
     )

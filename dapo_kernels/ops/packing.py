@@ -259,7 +259,8 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         batch, seqlen: the padded shape.
 
     Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
-    Host synchronisation: one, for the range check of ``indices``.
+    Host synchronisation: one, for the range and distinctness check of ``indices`` (a repeated
+    position is a ``ValueError``).
     Differentiable w.r.t. ``hidden_states``; the backward is a gather (:func:`unpad_input`'s op).
     """
     check_tensor("hidden_states", hidden_states)
@@ -275,9 +276,17 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     if nnz > num_rows:
         raise ValueError(f"hidden_states has {nnz} tokens, more than batch*seqlen = {num_rows}")
     if nnz:
-        lo, hi = torch.stack(torch.aminmax(indices)).tolist()
+        # Distinct positions = positions marked (clamped: an out-of-range index is reported below);
+        # read in the one sync of the range. Duplicates have no defined result: flash-attn's
+        # output[indices] = values leaves the winner to the scatter, and its gather backward
+        # would give every duplicate the gradient.
+        marked = torch.zeros(num_rows, dtype=torch.bool, device=indices.device)
+        marked[indices.clamp(0, num_rows - 1)] = True
+        lo, hi, distinct = torch.stack([*torch.aminmax(indices), marked.sum()]).tolist()
         if lo < 0 or hi >= num_rows:
             raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
+        if distinct != nnz:
+            raise ValueError(f"indices must be distinct positions, got {nnz - distinct} repeated among {nnz}")
     feat_shape = hidden_states.shape[1:]
     x2d = hidden_states.reshape(nnz, feat_shape.numel())
     out = scatter_rows(x2d, indices.long(), num_rows)

@@ -1,10 +1,12 @@
 """dk.policy_loss against verl-semantics float64 references, both backends."""
 import math
+from unittest import mock
 
 import pytest
 import torch
 
 import dapo_kernels as dk
+from dapo_kernels.ops.policy_loss import aggregation_weights
 from dapo_kernels.reference import policy_loss_ref
 from tests.helpers import assert_close_to_ref, assert_no_nan, backend, case_id, cu_seqlens_from
 
@@ -168,6 +170,17 @@ def test_bad_tensor_count_asserted_on_device(be, name, value, mode):
     lp, old, adv, mask = make_inputs((2, 5), torch.float32)
     with backend(be), pytest.raises(RuntimeError, match=f"{name} must be finite and"):
         dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode, **{name: value})
+
+
+def test_tensor_count_check_reads_no_value():
+    """The device-side count check must not read the tensor on the host (that would sync on a GPU)."""
+    lp, old, adv, mask = make_inputs((2, 5), torch.float32)
+    reads = ("item", "tolist", "__bool__", "__int__", "__float__")
+    with mock.patch.multiple(torch.Tensor, **{r: mock.Mock(side_effect=AssertionError(r)) for r in reads}):
+        loss, _ = dk.policy_loss(lp, old, adv, mask, num_tokens=torch.tensor(7))
+        w = aggregation_weights(mask, "seq-mean-token-sum-norm", num_seqs=torch.tensor(2),
+                                loss_scale_factor=torch.tensor(3.0))
+    assert loss.isfinite() and w.isfinite().all()
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])

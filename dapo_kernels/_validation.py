@@ -87,6 +87,30 @@ def check_float(name: str, value, *, valid: Optional[Callable[[float], bool]] = 
     return float(value)
 
 
+def check_float_or_tensor(name: str, value, *, valid: Callable, expected: str, device=None) -> torch.Tensor:
+    """A real number given as a Python int / float or a 1-element int / float tensor, returned as
+    a 0-dim fp64 tensor on ``device``.
+
+    ``valid`` is applied to the number (a ``ValueError`` as in :func:`check_float`) or to the fp64
+    tensor on the device, so write it with operators that work on both (``(v >= 0) & (v < inf)``).
+    A tensor is checked with ``torch._assert_async`` (no host sync): a ``RuntimeError`` naming the
+    argument, at once on the CPU; on an accelerator a device-side assert at the next
+    synchronisation, which leaves that device unusable for the process (CUDA's rule).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number or a 1-element int / float tensor, got {value.dtype}")
+        t = value.reshape(()).to(device=device, dtype=torch.float64)
+        torch._assert_async(valid(t), f"{name} must be {expected} (checked on the device)")
+        return t
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be an int, a float or a 1-element tensor, got {type(value).__name__}")
+    return torch.tensor(check_float(name, value, valid=lambda v: bool(valid(v)), expected=expected),
+                        dtype=torch.float64, device=device)
+
+
 @per_tensor_cache
 def cu_seqlens_boundaries(cu_seqlens: torch.Tensor) -> tuple:
     """(first, last, number of decreasing steps) of a non-empty ``cu_seqlens``: one transfer of three
@@ -94,12 +118,6 @@ def cu_seqlens_boundaries(cu_seqlens: torch.Tensor) -> tuple:
     c = cu_seqlens.detach()
     steps = (c[1:] < c[:-1]).sum().long() if c.numel() > 1 else c[0].long() * 0
     return tuple(torch.stack([c[0].long(), c[-1].long(), steps]).tolist())
-
-
-@per_tensor_cache
-def index_range(indices: torch.Tensor) -> tuple:
-    """(min, max) of a non-empty index tensor, read once per tensor."""
-    return tuple(torch.stack(torch.aminmax(indices)).tolist())
 
 
 def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens", device=None) -> int:

@@ -9,6 +9,7 @@ with :func:`dapo_kernels.ops.policy_loss.aggregation_weights`, in fp64 on ``[N]`
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -212,10 +213,12 @@ def fused_linear_policy_loss(
     """
     vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
     n = hidden.shape[0]
+    # Before the token inputs: kl_coef decides whether ref_log_prob is needed.
+    entropy_coeff, kl_coef = (check_float(name, v, valid=math.isfinite, expected="finite")
+                              for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)))
     mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
     clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_agg(loss_agg_mode, old_log_prob, cu_seqlens)
-    entropy_coeff, kl_coef = check_float("entropy_coeff", entropy_coeff), check_float("kl_coef", kl_coef)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
                             loss_scale_factor=loss_scale_factor)
     ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else old_log_prob.new_zeros(0)

@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from .._alloc import cpu_bulk_output, empty_output
+from .._cache import per_tensor_cache
 from .._registry import dispatch, register
-from .._validation import INT_DTYPES, check_int, check_tensor, cu_seqlens_boundaries, index_range
+from .._validation import INT_DTYPES, check_int, check_tensor, cu_seqlens_boundaries
 from ._triton_utils import cdiv, next_pow2
 
 # Rows per program: enough to hide the row-map load latency, small enough that a
@@ -254,9 +255,20 @@ def unpad_input(
     x_unpad = index_rows(x2d, indices).reshape((nnz,) + tuple(feat_shape))
     # Valid by construction: checking them again (pad_input, a packed model's layers) reads nothing.
     if nnz:
-        index_range.prime(indices, value=(lo, hi))
+        _index_stats.prime(indices, B * S, value=(lo, hi, nnz))
     cu_seqlens_boundaries.prime(cu_seqlens, value=(0, nnz, 0))
     return x_unpad, indices, cu_seqlens, int(max_seqlen), seqused
+
+
+@per_tensor_cache  # indices from unpad_input are primed there: checking them reads nothing
+def _index_stats(indices: torch.Tensor, num_rows: int) -> tuple:
+    """(min, max, distinct positions) of non-empty ``indices``, in one read. Distinct positions =
+    positions marked (clamped: an out-of-range index is reported by the range). Duplicates have no
+    defined result: flash-attn's ``output[indices] = values`` leaves the winner to the scatter, and
+    its gather backward would give every duplicate the gradient."""
+    marked = torch.zeros(num_rows, dtype=torch.bool, device=indices.device)
+    marked[indices.clamp(0, num_rows - 1)] = True
+    return tuple(torch.stack([*torch.aminmax(indices), marked.sum()]).tolist())
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -269,8 +281,9 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         batch, seqlen: the padded shape.
 
     Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
-    Host synchronisation: one, for the range check of ``indices``, unless they are those
-    :func:`unpad_input` returned (valid by construction: none).
+    Host synchronisation: one, for the range and distinctness check of ``indices`` (a repeated
+    position is a ``ValueError``), unless they are those :func:`unpad_input` returned for this
+    ``batch * seqlen`` (valid by construction: none).
     Differentiable w.r.t. ``hidden_states``; the backward is a gather (:func:`unpad_input`'s op).
     """
     check_tensor("hidden_states", hidden_states)
@@ -286,9 +299,11 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     if nnz > num_rows:
         raise ValueError(f"hidden_states has {nnz} tokens, more than batch*seqlen = {num_rows}")
     if nnz:
-        lo, hi = index_range(indices)
+        lo, hi, distinct = _index_stats(indices, num_rows)
         if lo < 0 or hi >= num_rows:
             raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
+        if distinct != nnz:
+            raise ValueError(f"indices must be distinct positions, got {nnz - distinct} repeated among {nnz}")
     feat_shape = hidden_states.shape[1:]
     x2d = hidden_states.reshape(nnz, feat_shape.numel())
     out = scatter_rows(x2d, indices.long(), num_rows)

@@ -11,6 +11,7 @@ the weights and the sums are fp64 in both backends; the gradient is written in
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -19,7 +20,8 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_float, check_tensor
+from .._validation import (FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_float, check_float_or_tensor,
+                           check_tensor)
 from ._triton_utils import cdiv
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -210,16 +212,14 @@ policy_loss_sums.register_autograd(_sums_backward, setup_context=_sums_setup)
 
 
 # --------------------------------------------------------------------------- aggregation weights
-def _as_count(name: str, value, device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        return value.reshape(()).to(device=device, dtype=torch.float64)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be an int, a float or a 1-element tensor, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+def _as_count(name: str, value, device, *, positive: bool = False) -> torch.Tensor:
+    """A count / divisor (Python number or 1-element tensor) as fp64 0-dim; NaN, inf and negatives
+    (and 0 if ``positive``) rejected, a tensor on the device without a host sync."""
+    if positive:
+        return check_float_or_tensor(name, value, valid=lambda v: (v > 0) & (v < math.inf),
+                                     expected="finite and > 0", device=device)
+    return check_float_or_tensor(name, value, valid=lambda v: (v >= 0) & (v < math.inf),
+                                 expected="finite and >= 0", device=device)
 
 
 def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
@@ -242,19 +242,27 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_s
     Counts that are zero are clamped to 1: an all-masked batch then sums to exactly 0.
     """
     dev = mask.device
+    # Every count passed is checked, also where the mode does not use it.
+    if num_tokens is not None:
+        num_tokens = _as_count("num_tokens", num_tokens, dev)
+    if num_seqs is not None:
+        num_seqs = _as_count("num_seqs", num_seqs, dev)
+    if loss_scale_factor is not None:
+        loss_scale_factor = _as_count("loss_scale_factor", loss_scale_factor, dev, positive=True)
     if mode == "token-mean":
-        n = mask.sum(dtype=torch.float64) if num_tokens is None else _as_count("num_tokens", num_tokens, dev)
+        n = mask.sum(dtype=torch.float64) if num_tokens is None else num_tokens
         return (1.0 / n.clamp(min=1.0)).reshape(1)
     if mode == "token-sum":
         return torch.ones(1, dtype=torch.float64, device=dev)
     lens, seq_id, horizon = _seq_lengths(mask, cu_seqlens)
     present = (lens > 0).double()
-    nseq = present.sum() if num_seqs is None else _as_count("num_seqs", num_seqs, dev)
+    nseq = present.sum() if num_seqs is None else num_seqs
     w_seq = present / nseq.clamp(min=1.0)
     if mode == "seq-mean-token-mean":
         w_seq = w_seq / lens.clamp(min=1.0)
     elif mode == "seq-mean-token-sum-norm":
-        scale = horizon if loss_scale_factor is None else _as_count("loss_scale_factor", loss_scale_factor, dev)
+        # The default horizon is 0 only when every sequence is empty, where w_seq is already 0.
+        scale = horizon if loss_scale_factor is None else loss_scale_factor
         w_seq = w_seq / scale.clamp(min=1e-30)
     if seq_id is None:
         return w_seq[:, None].expand(mask.shape).reshape(-1).contiguous()
@@ -321,10 +329,11 @@ def policy_loss(
         num_tokens / num_seqs: global token / sequence counts (int, float or 1-element tensor)
             over all micro-batches and data-parallel ranks, so that summing this loss over them
             gives the global mean (multiply by the DP world size if DP averages gradients, as
-            verl's ``dp_size`` does). Default: local counts.
+            verl's ``dp_size`` does). Default: local counts. Finite and >= 0; a tensor count is
+            checked on the device (``RuntimeError`` from ``torch._assert_async``, no host sync).
         cu_seqlens: int32/int64 ``[B+1]`` for packed 1-D inputs in the seq modes.
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (default ``T``; packed: the
-            longest sequence).
+            longest sequence); finite and > 0, checked like the counts.
 
     Returns:
         ``loss``: fp32 0-dim, differentiable w.r.t. ``log_prob`` (and ``old_log_prob``);

@@ -120,6 +120,32 @@ def test_bad_input(case, exc, match):
         dk.fused_linear_policy_loss(hidden, weight, labels, **tok, **kw)
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(entropy_coeff=float("nan")), ValueError, "entropy_coeff must be finite"),
+    (dict(entropy_coeff=float("inf")), ValueError, "entropy_coeff must be finite"),
+    (dict(kl_coef=float("nan"), with_ref=True), ValueError, "kl_coef must be finite"),
+    (dict(kl_coef=float("nan")), ValueError, "kl_coef must be finite"),
+    (dict(clip_ratio_high=float("nan")), ValueError, "clip_ratio_high"),
+    (dict(clip_ratio_c=float("nan")), ValueError, "clip_ratio_c"),
+    (dict(num_tokens=float("nan")), ValueError, "num_tokens"),
+    (dict(num_tokens=torch.tensor(-5.0)), RuntimeError, "num_tokens"),
+    (dict(loss_scale_factor=0, loss_agg_mode="seq-mean-token-sum-norm", packed=True), ValueError,
+     "loss_scale_factor"),
+    (dict(loss_scale_factor=torch.tensor(0.0), loss_agg_mode="seq-mean-token-sum-norm", packed=True),
+     RuntimeError, "loss_scale_factor"),
+], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_bad_scalar_names_argument(be, kw, exc, match):
+    """Issue 16 item 5: NaN / inf coefficients and bad counts (a tensor count: device-side assert)."""
+    kw = dict(kw)
+    hidden, weight, labels = make_linear(6, 16, 100, torch.float32)
+    tok = fused_inputs(6, 100, ref=kw.pop("with_ref", False))
+    if kw.pop("packed", False):
+        kw["cu_seqlens"] = cu_seqlens_from([2, 4])
+    with backend(be), pytest.raises(exc, match=match):
+        dk.fused_linear_policy_loss(hidden.requires_grad_(), weight, labels, **tok, **kw)
+
+
 @pytest.mark.parametrize("be", ["torch", "triton"])
 def test_fused_upstream_grad_scales_and_second_backward_refused(be):
     """The gradients are computed in the forward and scaled in place by the upstream grad: a

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dapo_kernels as dk
+from dapo_trainer.checkpoint import load_state_file
 from dapo_trainer.config import load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.metrics import read_metrics
@@ -89,8 +90,8 @@ def test_kill_and_resume_matches_uninterrupted(uninterrupted, tmp_path, monkeypa
     monkeypatch.setattr(DAPOTrainer, "update", real_update)
     run = os.path.join(str(tmp_path), "run")
     assert [m["step"] for m in read_metrics(run)] == [0, 1, 2]
-    carried = torch.load(os.path.join(run, "checkpoints", "global_step_2", "state_rank0.pt"),
-                         weights_only=False)["accumulator"]["num_buffered_groups"]
+    carried = load_state_file(os.path.join(run, "checkpoints", "global_step_2", "state_rank0.safetensors"))[
+        "accumulator"]["num_buffered_groups"]
     resumed = DAPOTrainer(load_config(overrides=overrides))
     assert resumed.global_step == 2 and resumed.accumulator.num_buffered_groups == carried
     resumed.fit()

@@ -155,7 +155,6 @@ def save_state_file(obj, path: str) -> None:
     tensors = {"by_name": {}, "ptrs": set()}
     meta = json.dumps(_encode(obj, tensors, "state"))
     save_file(tensors["by_name"], path, metadata={"format": _FORMAT, "state": meta})
-    _fsync_file(path)
 
 
 def load_state_file(path: str):

@@ -187,6 +187,7 @@ class TrainerConfig:
     resume_mode: str = "auto"
     resume_from_path: Optional[str] = None
     seed: int = 1
+    max_nonfinite_steps: int = 3  # >= 1; stop after this many steps in a row with an update skipped as non-finite
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "npu"
     logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
     progress_bar: bool = True

@@ -11,7 +11,9 @@ One step (``DAPOTrainer.train_step``):
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
    token-capped micro-batches (``dk.micro_batches``) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
-   gradient all-reduce, clipping, AdamW with warmup;
+   gradient all-reduce, clipping, AdamW with warmup; an update whose loss or gradient norm
+   is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such
+   steps in a row);
 6. push the weights to the rollout engine; log.
 
 Parallelism: every rank runs the same rollout (same seed, same prompts), so every rank
@@ -21,6 +23,7 @@ is split over data-parallel ranks and, inside a DP rank, tensor parallel over
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import dapo_kernels as dk
+from dapo_kernels._validation import check_int
 
 from . import checkpoint as ckpt
 from . import data as data_mod
@@ -44,6 +48,12 @@ from .rollout import make_rollout
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics of the update that are per-token fractions, averaged over response tokens.
 _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``trainer.max_nonfinite_steps`` steps in a row had their updates skipped for a
+    non-finite loss or gradient norm."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,6 +81,7 @@ class DAPOTrainer:
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
         if not arr.model.path:
             raise ValueError("actor_rollout_ref.model.path must name a HF model directory")
+        check_int("trainer.max_nonfinite_steps", t.max_nonfinite_steps, minimum=1)
         self.device = resolve_device(t.device)
         self.run_dir = t.default_local_dir
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
@@ -114,9 +125,11 @@ class DAPOTrainer:
             d.train_batch_size, self.rollout_cfg.n, fg.max_num_gen_batches if fg.enable else 0,
             carry_over=fg.carry_over)
         self.global_step = 0
+        self.nonfinite_streak = 0  # consecutive steps with a skipped update
         if self.resume_dir:
             state = ckpt.load_checkpoint(self.resume_dir, optimizer=self.optimizer, scheduler=self.scheduler)
             self.global_step = state["step"]
+            self.nonfinite_streak = state.get("nonfinite_streak", 0)
             self.cursor.load_state_dict(state["cursor"])
             ckpt.load_accumulator_state(self.accumulator, state["accumulator"])
 
@@ -151,8 +164,9 @@ class DAPOTrainer:
         if t.resume_mode == "disable":
             return None
         if t.resume_mode == "resume_path":
-            if not os.path.isdir(os.path.join(t.resume_from_path, "model")):
-                raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a checkpoint directory")
+            why = ckpt.incomplete_reason(t.resume_from_path)
+            if why is not None:
+                raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a complete checkpoint: {why}")
             return t.resume_from_path
         return ckpt.latest_checkpoint(self.ckpt_root)
 
@@ -364,13 +378,14 @@ class DAPOTrainer:
 
         t0 = time.perf_counter()
         sums = defaultdict(float)
-        n_updates = 0
+        n_updates, skipped = 0, []
         weight = self.model.lm_head.weight
         seq_mode = a.loss_agg_mode.startswith("seq")
         dp_scale = self.dp if (a.strategy == "fsdp2" and self.dp > 1) else 1
-        for _ in range(a.ppo_epochs):
-            for p, mbs in zip(plan, packed):
+        for epoch in range(a.ppo_epochs):
+            for i, (p, mbs) in enumerate(zip(plan, packed)):
                 self.optimizer.zero_grad(set_to_none=True)
+                mini_loss = 0.0
                 for mb in mbs:
                     hidden = self.model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
                     if on_policy:
@@ -392,7 +407,7 @@ class DAPOTrainer:
                         process_group=self.model.tp_group)
                     (loss * dp_scale).backward()
                     ntok = float(mb["mask"].sum())
-                    sums["loss"] += float(loss.detach())
+                    mini_loss += float(loss.detach())
                     sums["pg_loss"] += float(m["pg_loss"])
                     if "kl_loss" in m:
                         sums["kl_loss"] += float(m["kl_loss"])
@@ -400,11 +415,20 @@ class DAPOTrainer:
                         sums[key] += float(m[key]) * ntok
                     sums["entropy"] += float((mb["entropy"] * mb["mask"]).sum())
                     sums["tokens"] += ntok
+                sums["loss"] += mini_loss
+                if not math.isfinite(mini_loss):
+                    self._poison_grads()
                 self._reduce_grads()
-                sums["grad_norm"] += self._clip_grads()
-                self.optimizer.step()
-                n_updates += 1
-        self.scheduler.step()
+                norm = self._clip_grads()
+                sums["grad_norm"] += norm
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                    n_updates += 1
+                else:  # not applied: the weights and Adam's moments stay as they were
+                    what = f"loss {mini_loss}" if not math.isfinite(mini_loss) else f"gradient norm {norm}"
+                    skipped.append(f"epoch {epoch + 1} mini-batch {i + 1}: non-finite {what}")
+        if n_updates:  # a step with no applied update does not advance the LR schedule
+            self.scheduler.step()
         timing["timing_s/update_actor"] = time.perf_counter() - t0
         keys = sorted(sums)
         vals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
@@ -413,15 +437,26 @@ class DAPOTrainer:
             vals[grad_norm_idx] /= self.dp  # identical on every rank: keep it unsummed
             dist.all_reduce(vals, group=self.dp_group)
         s = dict(zip(keys, vals.tolist()))
-        out = {"actor/loss": s["loss"] / n_updates, "actor/pg_loss": s["pg_loss"] / n_updates,
-               "actor/grad_norm": s["grad_norm"] / n_updates, "actor/lr": self.optimizer.param_groups[0]["lr"],
-               "actor/num_updates": n_updates}
+        n_mini = a.ppo_epochs * len(plan)
+        out = {"actor/loss": s["loss"] / n_mini, "actor/pg_loss": s["pg_loss"] / n_mini,
+               "actor/grad_norm": s["grad_norm"] / n_mini, "actor/lr": self.optimizer.param_groups[0]["lr"],
+               "actor/num_updates": n_updates, "actor/skipped_updates": len(skipped)}
+        if skipped:
+            out["actor/skip_reason"] = "; ".join(skipped)
         for key in _TOKEN_AVG:
             out[f"actor/{key}"] = s[key] / max(s["tokens"], 1.0)
         if "kl_loss" in s:
-            out["actor/kl_loss"] = s["kl_loss"] / n_updates
+            out["actor/kl_loss"] = s["kl_loss"] / n_mini
         out.update(timing)
         return out
+
+    def _poison_grads(self) -> None:
+        """This rank's loss is not finite: make its gradient NaN, so that the gradient
+        reduction (or the norm's all-reduce) hands every rank a non-finite norm and all of
+        them skip the update together."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
 
     def _reduce_grads(self) -> None:
         """Sum gradients over data-parallel ranks (FSDP does it itself)."""
@@ -490,6 +525,9 @@ class DAPOTrainer:
         t0 = time.perf_counter()
         batch, metrics = self.collect(step)
         metrics.update(self.update(batch))
+        self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["actor/skipped_updates"] else 0
+        if metrics["actor/skipped_updates"] and self.rank == 0:
+            logger.warning("step %d: update skipped: %s", step, metrics["actor/skip_reason"])
         t1 = time.perf_counter()
         self.sync_weights()
         metrics["timing_s/update_weights"] = time.perf_counter() - t1
@@ -501,7 +539,7 @@ class DAPOTrainer:
 
     def save(self) -> str:
         state = {"step": self.global_step, "cursor": self.cursor.state_dict(),
-                 "accumulator": ckpt.accumulator_state(self.accumulator)}
+                 "accumulator": ckpt.accumulator_state(self.accumulator), "nonfinite_streak": self.nonfinite_streak}
         full = full_state_dict(self.model) if self.sharded else self.model.state_dict()
         model = self.rollout_model if self.sharded else self.model
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=model, full_state=full,
@@ -528,6 +566,12 @@ class DAPOTrainer:
                     metrics["timing_s/validate"] = time.perf_counter() - t0
                 log.log(step, metrics)
                 log.progress(step, metrics)
+                if self.nonfinite_streak >= t.max_nonfinite_steps:
+                    raise NonFiniteTrainingError(
+                        f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}: {self.nonfinite_streak} steps in a row "
+                        f"(the last: step {step}, {metrics['actor/skip_reason']}) had a non-finite loss or gradient "
+                        "norm, and their updates were skipped; stopping. The weights are those of the last applied "
+                        "update; look at the learning rate, the loss coefficients and the data before resuming")
                 if (t.save_freq > 0 and step % t.save_freq == 0) or last:
                     self.save()
         finally:

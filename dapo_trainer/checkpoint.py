@@ -192,7 +192,8 @@ def incomplete_reason(ckpt_dir: str) -> Optional[str]:
         return f"no {MANIFEST}: its save did not finish"
     try:
         man = _read_manifest(ckpt_dir)
-        files, step, seq = dict(man["files"]), int(man["step"]), int(man["sequence"])
+        files, step = dict(man["files"]), int(man["step"])
+        int(man["sequence"])  # present and an integer: auto-resume orders checkpoints by it
     except (ValueError, KeyError, TypeError) as e:
         return f"unreadable {MANIFEST} ({e})"
     m = _STEP_DIR.match(os.path.basename(ckpt_dir))

@@ -447,7 +447,8 @@ def validate(cfg: Config) -> Config:
                    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
                    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
                    ("actor_rollout_ref.actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
-                   ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps)):
+                   ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps),
+                   ("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)):
         _require(v >= 1, key, f"must be >= 1, got {v}")
     _require(d.gen_batch_size is None or d.gen_batch_size >= 1, "data.gen_batch_size",
              f"must be >= 1, got {d.gen_batch_size}")

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 import dapo_kernels as dk
-from dapo_kernels._validation import check_int
 
 from . import checkpoint as ckpt
 from . import data as data_mod
@@ -81,7 +80,6 @@ class DAPOTrainer:
         self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
         if not arr.model.path:
             raise ValueError("actor_rollout_ref.model.path must name a HF model directory")
-        check_int("trainer.max_nonfinite_steps", t.max_nonfinite_steps, minimum=1)
         self.device = resolve_device(t.device)
         self.run_dir = t.default_local_dir
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")

@@ -4,57 +4,55 @@ A packed batch's ``cu_seqlens`` is one tensor that every attention layer, forwar
 receives. What is derived from it alone - the validation that reads it to the host, the
 attention work lists, the CPU path's length buckets - is the same for all of them, so it is
 computed for the first layer and looked up by the others (FLA's ``tensor_cache`` does the
-same). An entry is tied to the tensor object itself (a weak reference: a new batch is a new
-tensor, even at a recycled address) and to its version counter (an in-place write is a miss).
+same). An entry lives exactly as long as its tensor (a weak reference whose death drops it: a
+new batch is a new tensor, even at a recycled address, and a step's many micro-batches never
+evict each other) and holds only for the tensor's current version (an in-place write is a miss).
 """
 from __future__ import annotations
 
 import functools
 import weakref
-from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Dict
 
 import torch
-
-# Entries kept per function: a step holds one batch's cu_seqlens per micro-batch in flight,
-# and a function is called with a few (block, causal) variants per batch.
-_SLOTS = 16
 
 
 def per_tensor_cache(fn: Callable) -> Callable:
     """Memoise ``fn(t, *args)`` (``args`` hashable) on the identity and version of the tensor ``t``."""
-    entries: "OrderedDict[tuple, tuple]" = OrderedDict()
+    # id(t) -> (weak reference to t, t's version, {args: value})
+    entries: Dict[int, tuple] = {}
 
-    def key_of(t: torch.Tensor, args: tuple):
+    def slot(t: torch.Tensor):
         try:
-            return (id(t), t._version, args)
+            version = t._version
         except RuntimeError:  # an inference-mode tensor has no version counter: nothing to key on
             return None
+        key = id(t)
+        entry = entries.get(key)
+        if entry is None or entry[0]() is not t or entry[1] != version:
+            def drop(ref, key=key):
+                if entries.get(key, (None,))[0] is ref:
+                    del entries[key]
 
-    def store(key, t, value):
-        entries[key] = (weakref.ref(t), value)
-        while len(entries) > _SLOTS:
-            entries.popitem(last=False)
+            entry = (weakref.ref(t, drop), version, {})
+            entries[key] = entry
+        return entry[2]
 
     @functools.wraps(fn)
     def cached(t: torch.Tensor, *args):
-        key = key_of(t, args)
-        if key is None:
+        values = slot(t)
+        if values is None:
             return fn(t, *args)
-        hit = entries.get(key)
-        if hit is not None and hit[0]() is t:
-            entries.move_to_end(key)
-            return hit[1]
-        value = fn(t, *args)
-        store(key, t, value)
-        return value
+        if args not in values:
+            values[args] = fn(t, *args)
+        return values[args]
 
     def prime(t: torch.Tensor, *args, value) -> None:
         """Record ``value`` as ``fn(t, *args)`` without computing it: for the producer of ``t``, which
         knows it by construction (``unpad_input`` knows its ``cu_seqlens`` are valid)."""
-        key = key_of(t, args)
-        if key is not None:
-            store(key, t, value)
+        values = slot(t)
+        if values is not None:
+            values[args] = value
 
     cached.prime = prime
     cached.cache_clear = entries.clear

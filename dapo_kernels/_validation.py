@@ -120,6 +120,26 @@ def cu_seqlens_boundaries(cu_seqlens: torch.Tensor) -> tuple:
     return tuple(torch.stack([c[0].long(), c[-1].long(), steps]).tolist())
 
 
+@per_tensor_cache
+def value_range(t: torch.Tensor) -> tuple:
+    """(min, max) of a non-empty tensor: one read per tensor (the label range check of the log-prob
+    ops, which a packed batch's micro-batches reuse across epochs)."""
+    return tuple(torch.stack(torch.aminmax(t)).tolist())
+
+
+def to_device_checked(t: torch.Tensor, device) -> torch.Tensor:
+    """``t.to(device)``, with the facts the ops check of an integer tensor (its range; as
+    ``cu_seqlens``, its boundaries) read from ``t`` while it is still on the host, where that
+    costs no sync: checking the device copy then reads nothing. For data built on the host
+    (packed ids, labels, ``cu_seqlens``), the way a trainer feeds micro-batches."""
+    check_tensor("t", t)
+    out = t.to(device)
+    if t.device.type == "cpu" and t.dim() == 1 and t.numel() and not t.is_floating_point() and not t.is_complex():
+        value_range.prime(out, value=value_range(t))
+        cu_seqlens_boundaries.prime(out, value=cu_seqlens_boundaries(t))
+    return out
+
+
 def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens", device=None) -> int:
     """Validate cumulative sequence lengths; return the batch size.
 

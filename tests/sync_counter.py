@@ -39,6 +39,17 @@ class SyncCount:
     """Reads seen: ``count`` and, per read, ``(what, stack summary)``."""
 
     reads: List[tuple] = field(default_factory=list)
+    state: dict = field(default_factory=lambda: {"in_method": False, "paused": False})
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Reads inside this block are not counted (host-side preparation around the code measured)."""
+        before = self.state["paused"]
+        self.state["paused"] = True
+        try:
+            yield
+        finally:
+            self.state["paused"] = before
 
     @property
     def count(self) -> int:
@@ -66,7 +77,7 @@ class _Mode(TorchDispatchMode):
         sized = name == "repeat_interleave" and kwargs.get("output_size") is not None
         masked = name in _INDEX_OPS and any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ()))
-        if (name in SYNC_OPS and not sized or masked) and not self.state["in_method"]:
+        if (name in SYNC_OPS and not sized or masked) and not (self.state["in_method"] or self.state["paused"]):
             self.counter.reads.append((f"aten::{name}", _where()))
         if func.namespace == "dapo":
             # Run the custom op's body with this mode still active, so the reads inside count.
@@ -82,14 +93,16 @@ class _Mode(TorchDispatchMode):
 @contextlib.contextmanager
 def count_host_syncs() -> Iterator[SyncCount]:
     """``with count_host_syncs() as c: ...`` then ``c.count`` / ``c.report()``."""
-    counter, state = SyncCount(), {"in_method": False}
+    counter = SyncCount()
+    state = counter.state
     saved = {name: getattr(torch.Tensor, name) for name in _METHODS}
 
     def wrap(name, orig):
         def method(self, *args, **kwargs):
             outer = not state["in_method"]
             if outer:
-                counter.reads.append((f"Tensor.{name}", _where()))
+                if not state["paused"]:
+                    counter.reads.append((f"Tensor.{name}", _where()))
                 state["in_method"] = True
             try:
                 return orig(self, *args, **kwargs)

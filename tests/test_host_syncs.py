@@ -125,3 +125,40 @@ def test_pad_input_still_checks_indices_it_did_not_produce():
         dk.pad_input(x, torch.tensor([0, 5, 8]), 2, 4)
     c = _count(lambda: dk.pad_input(x, torch.tensor([0, 5, 7]), 2, 4))
     assert c.count == 1, c.report()
+
+
+def test_trainer_update_reads_nothing_inside_the_micro_batch_loop(tmp_path, monkeypatch):
+    """update(): host-side planning and packing aside, its reads do not depend on the number of
+    micro-batches (one per optimizer update, for its loss and gradient norm, and one for the
+    step's metrics; the optimizer's own step counters are host tensors): halving the token cap
+    doubles the micro-batches and adds no read."""
+    from dapo_trainer.config import load_config
+    from dapo_trainer.trainer import DAPOTrainer
+    from tests.trainer.tiny import micro_setup
+
+    base = micro_setup(str(tmp_path)) + ["trainer.val_before_train=false"]
+    counts, micro = {}, {}
+    for cap in (24, 12):
+        trainer = DAPOTrainer(load_config(overrides=base + [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={cap}"]))
+        batch, _ = trainer.collect(1)
+        plan, pack = trainer._plan, trainer._pack
+        with count_host_syncs() as c:
+            def counted_plan(b):
+                with c.paused():
+                    out = plan(b)
+                micro[cap] = sum(len(p["micro"]) for p in out)
+                return out
+
+            def paused_pack(b, rows):
+                with c.paused():
+                    return pack(b, rows)
+
+            monkeypatch.setattr(trainer, "_plan", counted_plan)
+            monkeypatch.setattr(trainer, "_pack", paused_pack)
+            with backend("triton"):  # the path a GPU runs (the CPU path reads its length buckets)
+                metrics = trainer.update(batch)
+        counts[cap] = c.count
+        assert metrics["actor/num_updates"] == 1
+        print(f"token cap {cap}: {micro[cap]} micro-batches, {c.count} reads")
+    assert micro[12] > micro[24] >= 2, micro
+    assert counts[12] == counts[24], c.report()

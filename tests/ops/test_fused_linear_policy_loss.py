@@ -163,3 +163,27 @@ def test_fused_upstream_grad_scales_and_second_backward_refused(be):
     assert torch.equal(grads[1][0], 0.25 * grads[0][0]) and torch.equal(grads[1][1], 0.25 * grads[0][1])
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_on_policy_old_log_prob_none_is_ratio_one(be):
+    """old_log_prob=None: the op's own log-probs, detached, are the old ones (ratio exactly 1), as if a
+    separate no-grad pass had supplied them; calculate_entropy returns the entropy without a coefficient."""
+    n, v = 29, 50
+    hidden, weight, labels = make_linear(n, 24, v, torch.float32)
+    adv, mask = torch.randn(n), torch.rand(n) > 0.3
+    with backend(be):
+        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, m = dk.fused_linear_policy_loss(h1, w1, labels, None, adv, mask, calculate_entropy=True)
+        loss.backward()
+        lp, ent = dk.linear_log_probs(hidden, weight, labels, return_entropy=True)
+        h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss2, m2 = dk.fused_linear_policy_loss(h2, w2, labels, lp.detach(), adv, mask)
+        loss2.backward()
+    assert m["ppo_kl"] == 0 and m["pg_clipfrac"] == 0 and m["pg_clipfrac_lower"] == 0
+    # A separate pass's fp32 log-prob puts the ratio within ~1e-7 of 1: the same loss and gradients.
+    torch.testing.assert_close(loss, loss2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(m["entropy"], ent, rtol=1e-6, atol=1e-6)
+    assert "entropy_loss" not in m and "entropy" not in m2  # no coefficient: no entropy term

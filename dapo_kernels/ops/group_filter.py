@@ -237,6 +237,7 @@ def _finish(outs, flags):
 
 @register("group_filter", "triton")
 def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, norm_adv_by_std, min_std):
+    scores, group_index = scores.contiguous(), group_index.contiguous()  # addressed as dense [N]
     N, G, dev = scores.numel(), num_groups, scores.device
     outs = _alloc_outputs(N, G, dev)
     keep, adv, gmean, gstd, gkeep, gsize = outs

@@ -194,7 +194,8 @@ def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
 
 @register("linear_log_probs_stats", "triton")
 def stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    # The kernels address all three as dense ([N, H], [V, H], [N]).
+    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     n_tiles = cdiv(v, _BLOCK_V)
     splits = _num_splits(cdiv(n, _BLOCK_M), n_tiles, hidden.device)
@@ -221,7 +222,7 @@ def _hi_lo(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent):
     """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``rows`` fp64
     ``[5, N]`` from :func:`row_results` (lse and lse - entropy go to the kernel as fp32 hi / lo pairs)."""
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)

@@ -70,6 +70,8 @@ def _as_storable(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_pack_rows(src: torch.Tensor, row_map: torch.Tensor, n_dst_rows: int, pad: bool) -> torch.Tensor:
+    # The kernel addresses both as dense: row r of src at r * n_feat, entry r of row_map at r.
+    src, row_map = src.contiguous(), row_map.contiguous()
     n_feat = src.shape[1]
     dst = empty_output((n_dst_rows, n_feat), dtype=src.dtype, device=src.device)
     if n_dst_rows == 0 or n_feat == 0:
@@ -92,7 +94,7 @@ def _inverse_row_map(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 @register("index_rows", "triton")
 def _index_rows_triton(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    return _launch_pack_rows(x.contiguous(), indices, indices.numel(), pad=False)
+    return _launch_pack_rows(x, indices, indices.numel(), pad=False)
 
 
 @register("index_rows", "torch")
@@ -105,7 +107,7 @@ def _index_rows_torch(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 @register("scatter_rows", "triton")
 def _scatter_rows_triton(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return _launch_pack_rows(x.contiguous(), _inverse_row_map(indices, num_rows), num_rows, pad=True)
+    return _launch_pack_rows(x, _inverse_row_map(indices, num_rows), num_rows, pad=True)
 
 
 def _first_position_reaching(count: torch.Tensor, n: int) -> torch.Tensor:

@@ -104,8 +104,14 @@ def _policy_loss_bwd_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+def _dense(*ts: torch.Tensor):
+    """The kernels address token ``i`` of every input at offset ``i``."""
+    return [t.contiguous() for t in ts]
+
+
 @register("policy_loss_sums", "triton")
 def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float64, device=lp.device)
     if n == 0:
@@ -119,6 +125,7 @@ def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
 
 @register("policy_loss_grad", "triton")
 def _grad_triton(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
     if n:

@@ -381,6 +381,7 @@ def _block_d(head_dim: int) -> int:
 
 @register("varlen_attention_fwd", "triton")
 def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+    q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
@@ -406,6 +407,7 @@ def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 @register("varlen_attention_bwd", "triton")
 def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     dq = empty_output(q.shape, dtype=q.dtype, device=q.device)

@@ -209,7 +209,7 @@ def _overlong_penalty_fwd_kernel(p_len, p_out, N, expected_len, buf, factor, BLO
     o_n = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_n = o_n < N
     b_l = tl.load(p_len + o_n, mask=m_n, other=0).to(tl.float64)
-    b_p = tl.minimum(-(b_l - expected_len) / buf * factor, 0.0)
+    b_p = tl.minimum(-(b_l - expected_len) / buf * factor, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN in, NaN out
     tl.store(p_out + o_n, b_p.to(tl.float32), mask=m_n)
 
 
@@ -477,7 +477,8 @@ def group_filter(
     Non-finite scores and out-of-range indices: no host sync is spent checking them.
     Their groups are dropped and their advantages are 0; ``res.num_invalid`` and
     ``res.num_out_of_range`` count them on the device, and ``res.check()`` raises
-    ValueError (one sync). Not differentiable: rewards are constants.
+    ValueError (one sync); no NaN reaches any output, on either backend. Not differentiable:
+    rewards are constants.
     """
     check_tensor("scores", scores, ndim=1, dtypes=FLOAT_DTYPES)
     N = scores.shape[0]
@@ -520,7 +521,8 @@ def overlong_penalty(
         response_lengths: ``[*]`` integer (or float) valid response lengths ``L``.
         max_response_length, overlong_buffer_len: ints, ``0 < buffer <= max``.
         penalty_factor: float >= 0.
-    Returns float32 of the shape of ``response_lengths`` (computed in float64).
+    Returns float32 of the shape of ``response_lengths`` (computed in float64); a NaN length gives
+    NaN, as torch's ``clamp_max`` does, on both backends.
     """
     check_tensor("response_lengths", response_lengths, dtypes=INT_DTYPES + FLOAT_DTYPES)
     max_len = check_int("max_response_length", max_response_length, minimum=1)

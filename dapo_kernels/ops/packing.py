@@ -221,6 +221,7 @@ def unpad_input(
         ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` Python int,
         ``seqused`` int32 ``[B]`` (tokens per row that ``attention_mask`` selects).
 
+    NaN / inf are copied like any value: only those at positions the masks select reach ``x_unpad``.
     Host synchronisation: exactly one, reading ``(nnz, max_seqlen)`` together; ``nnz``
     sizes the output and ``max_seqlen`` is returned as a Python int. ``cu_seqlens`` and
     ``indices`` are built on the device by cumsum + searchsorted (no ``nonzero()``).
@@ -260,7 +261,8 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
             as returned by :func:`unpad_input`.
         batch, seqlen: the padded shape.
 
-    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
+    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``; NaN / inf are copied
+    like any value.
     Host synchronisation: one, for the range check of ``indices``.
     Differentiable w.r.t. ``hidden_states``; the backward is a gather (:func:`unpad_input`'s op).
     """

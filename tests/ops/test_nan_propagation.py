@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import pytest
 import torch
 
-from tests.helpers import BACKENDS, eps
+from tests.helpers import BACKENDS, backend, eps
 from tests.op_cases import CASES, OpCase, run_case
 
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": -float("inf")}
@@ -213,8 +213,37 @@ def test_nonfinite_inputs_propagate_alike(case):
             runs = {be: run_case(case, {**args, name: poisoned}, be) for be in BACKENDS}
             _check_backends_agree(runs, clean, what)
             spec = _spec(case, args, clean["torch"], name, idx, where)
+            # Attention marks what depends on any non-finite input NaN; elsewhere inf may stay inf.
+            strict = math.isnan(val) or case.name.startswith("varlen_attention")
             for be in BACKENDS:
-                _check_semantics(runs[be], clean[be], spec, math.isnan(val), f"{what} [{be}]")
+                _check_semantics(runs[be], clean[be], spec, strict, f"{what} [{be}]")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_nan_upstream_gradient(causal):
+    """A NaN in ``d out`` at one (token, head): NaN ``dq`` there and NaN ``dk`` / ``dv`` for the keys
+    that query attends, nothing else, on both backends."""
+    case = next(c for c in CASES if c.name == f"varlen_attention-{'causal' if causal else 'full'}")
+    args = case.make()
+    cu = args["cu_seqlens"].tolist()
+    t, h = cu[2] + 5, 1
+    hq, hkv = args["q"].shape[1], args["k"].shape[1]
+    bad = torch.zeros(args["q"].shape[:2], dtype=torch.bool)
+    bad[t, h] = True
+    keys = _attended_by(bad.reshape(-1, hkv, hq // hkv).any(-1), cu, causal, keys=True)
+    want = {"dq": bad[:, :, None], "dk": keys[:, :, None], "dv": keys[:, :, None]}
+    grads, clean = {}, {}
+    for be in BACKENDS:
+        q, k, v = (args[n].clone().requires_grad_() for n in ("q", "k", "v"))
+        with backend(be):
+            out = case.call({**args, "q": q, "k": k, "v": v})[0]
+            cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            clean[be] = dict(zip(want, torch.autograd.grad(out, [q, k, v], cot, retain_graph=True)))
+            cot[t, h, 3] = float("nan")
+            grads[be] = dict(zip(want, torch.autograd.grad(out, [q, k, v], cot)))
+        spec = {n: (m.expand(clean[be][n].shape), ~m.expand(clean[be][n].shape)) for n, m in want.items()}
+        _check_semantics(grads[be], clean[be], spec, True, f"NaN in d out[{t}, {h}] [{be}]")
+    _check_backends_agree(grads, clean, f"NaN in d out[{t}, {h}]")
 
 
 @pytest.mark.parametrize("name", _INTEGER_ONLY)

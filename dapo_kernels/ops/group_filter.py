@@ -209,7 +209,8 @@ def _overlong_penalty_fwd_kernel(p_len, p_out, N, expected_len, buf, factor, BLO
     o_n = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_n = o_n < N
     b_l = tl.load(p_len + o_n, mask=m_n, other=0).to(tl.float64)
-    b_p = tl.minimum(-(b_l - expected_len) / buf * factor, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN in, NaN out
+    b_p = -(b_l - expected_len) / buf * factor
+    b_p = tl.where(b_p > 0, 0.0, b_p)  # min(p, 0) that keeps a NaN, as torch's clamp_max
     tl.store(p_out + o_n, b_p.to(tl.float32), mask=m_n)
 
 

@@ -33,25 +33,35 @@ _NUM_SUMS = 5
 
 
 # --------------------------------------------------------------------------- kernels
+# torch's min / max / clamp propagate NaN; Triton's return the other operand (and their
+# NaN-propagating flavour has no fp64 instruction to lower to on NVIDIA GPUs), hence these.
 @triton.jit
-def _clamp(x, lo, hi):
-    """``torch.clamp``: NaN stays NaN (Triton's min / max return the other operand by default)."""
-    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+def _max_nan(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.minimum(a, b)))
+
+
+@triton.jit
+def _clamp_nan(x, lo, hi):
+    return tl.where(x != x, x, tl.minimum(tl.maximum(x, lo), hi))
 
 
 @triton.jit
 def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
-    """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64); min / max
-    propagate NaN, as torch's do."""
+    """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64)."""
     b_d = b_lp - b_old
-    b_nkl = _clamp(b_d, -20.0, 20.0)
+    b_nkl = _clamp_nan(b_d, -20.0, 20.0)
     b_ratio = tl.exp(b_nkl)
     b_pg1 = -b_adv * b_ratio
-    b_pg2 = -b_adv * _clamp(b_ratio, 1.0 - clip_low, 1.0 + clip_high)
-    b_c1 = tl.maximum(b_pg1, b_pg2, propagate_nan=tl.PropagateNan.ALL)
+    b_pg2 = -b_adv * _clamp_nan(b_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    b_c1 = _max_nan(b_pg1, b_pg2)
     b_pg3 = -b_adv * clip_c
     b_neg = b_adv < 0
-    b_loss = tl.where(b_neg, tl.minimum(b_pg3, b_c1, propagate_nan=tl.PropagateNan.ALL), b_c1)
+    b_loss = tl.where(b_neg, _min_nan(b_pg3, b_c1), b_c1)
     # Gradient flows through pg1 where it wins the max (pg2 wins only where the clamp
     # saturates, so its gradient is zero) and not where the dual clip pg3 wins; a non-finite
     # advantage passes its NaN / inf on, as torch's autograd of verl's loss does.

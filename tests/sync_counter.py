@@ -72,9 +72,10 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        # repeat_interleave told its output size reads nothing; indexing with a boolean mask
+        # repeat_interleave by an int, or told its output size, reads nothing; indexing with a boolean mask
         # is a nonzero() inside aten.
-        sized = name == "repeat_interleave" and kwargs.get("output_size") is not None
+        sized = name == "repeat_interleave" and (kwargs.get("output_size") is not None
+                                                 or func._overloadname == "self_int")
         masked = name in _INDEX_OPS and any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ()))
         if (name in SYNC_OPS and not sized or masked) and not (self.state["in_method"] or self.state["paused"]):

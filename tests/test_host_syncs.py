@@ -35,6 +35,7 @@ def test_counter_sees_each_kind_of_read():
     with count_host_syncs() as c:
         x + 1
         torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3)
+        x.repeat_interleave(2, 0)
     assert c.count == 0, c.report()
     # unpad_input's one read happens inside its Python body, the others inside dapo ops.
     with count_host_syncs() as c:

@@ -277,6 +277,12 @@ def grad_buffers(hidden, weight):
     return d_h, alloc(weight.shape, dtype=torch.float32, device=weight.device)
 
 
+def live_rows(g_lp: torch.Tensor, g_ent: torch.Tensor) -> torch.Tensor:
+    """Tokens with a gradient at all (``g_lp`` or ``g_ent`` nonzero; NaN counts): the others - masked
+    away, or clipped - add nothing to dH / dW, not even the NaN of non-finite logits."""
+    return (g_lp != 0) | (g_ent != 0)
+
+
 def accumulate_grads(dz, x, w32, d_h, d_w, sl: slice, live: Optional[torch.Tensor] = None):
     """dH rows of the chunk and dW += dz^T x; ``live``: rows that have a gradient at all."""
     beta = 0 if sl.start == 0 else 1

@@ -52,8 +52,12 @@ def _length_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> list:
 
 
 def _padded(x: torch.Tensor, gather: torch.Tensor, valid: Optional[torch.Tensor] = None, fill: float = 0.0):
-    """Packed ``[T, H, ...]`` -> padded ``[n, H, S, ...]``; with ``valid``, padding slots = fill."""
-    p = x[gather]
+    """Packed ``[T, H, ...]`` -> padded ``[n, H, S, ...]``; with ``valid``, padding slots = fill.
+
+    NaN / inf read as 0: torch's kernels multiply masked keys (and padding slots, which hold the
+    next sequence's rows) by a zero probability, and 0 * inf = NaN would reach queries that do not
+    attend them; the op marks what does attend them NaN."""
+    p = x[gather].nan_to_num_(0.0, 0.0, 0.0)
     if valid is not None:
         p = p.masked_fill(~valid.view(valid.shape + (1,) * (p.dim() - 2)), fill)
     return p.transpose(1, 2)

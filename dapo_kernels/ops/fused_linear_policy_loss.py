@@ -17,11 +17,11 @@ import torch
 from .._registry import dispatch, register
 from .._validation import check_flag, check_float, check_tensor
 from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
-                         chunk_stats, grad_buffers, row_results, set_exact_entries, token_chunks)
+                         chunk_stats, grad_buffers, live_rows, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
 from .linear_log_probs import grads_triton, stats_triton
-from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metrics_from_counts,
-                          pg_token_terms)
+from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metric_sums,
+                          metrics_from_counts, pg_token_terms)
 
 # Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
 # #tokens, entropy, kl (each weighted like the loss except the counts).
@@ -44,12 +44,12 @@ class LossHead:
         # On-policy (no old log-probs given): old = this forward's own, so the ratio is exactly 1.
         old = self.old[sl] if self.old.numel() else lp
         loss, dl, clip, clip_low, nkl = pg_token_terms(lp, old, self.adv[sl], *self.clips)
+        # Masked tokens are selected away (torch.where), in the sums and in the gradients: a NaN
+        # there reaches neither (NaN * 0 would); fp64 token math and sums, as in policy_loss.
         wm = torch.where(mask, w, 0.0)
         g_lp = wm * dl
-        m = mask.double()
-        zero = m.new_zeros(())
+        zero = wm.new_zeros(())
         ent_sum, kl_sum, g_ent = zero, zero, torch.zeros_like(lp)
-        # fp64 token math and sums, as in policy_loss.
         if self.ent_coef:
             ent_sum = torch.where(mask, wm * ent.double(), 0.0).sum()
             g_ent = -self.ent_coef * wm
@@ -57,9 +57,10 @@ class LossHead:
             kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type, torch.float64)
             kl_sum = torch.where(mask, wm * kl_val.double(), 0.0).sum()
             g_lp = g_lp + self.kl_coef * wm * kl_grad
+        g_lp = torch.where(mask, g_lp, 0.0)
         pg_sum = torch.where(mask, wm * loss, 0.0).sum()
-        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum, m @ clip,
-                            m @ clip_low, m @ -nkl, m.sum(), ent_sum, kl_sum])
+        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum,
+                            *metric_sums(mask, clip, clip_low, nkl), ent_sum, kl_sum])
         return g_lp.float(), g_ent.float(), sums
 
 
@@ -91,7 +92,7 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
                 torch.exp(z, out=e)
             dz = chunk_dlogits(z, e, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
             set_exact_entries(dz, lab, rows, g_lp, g_ent, inv_temp)
-            accumulate_grads(dz, x, w32, d_h, d_w, sl, (g_lp != 0) | (g_ent != 0))
+            accumulate_grads(dz, x, w32, d_h, d_w, sl, live_rows(g_lp, g_ent))
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
 
 
@@ -219,6 +220,10 @@ def fused_linear_policy_loss(
     ``pg_clipfrac_lower``, ``ppo_kl``, ``pg_loss``, ``log_prob`` ``[N]``, plus ``entropy``
     ``[N]`` when ``entropy_coeff != 0`` or ``calculate_entropy``, ``entropy_loss`` when
     ``entropy_coeff != 0``, ``kl_loss`` when ``kl_coef != 0``.
+
+    NaN / inf as :func:`dapo_kernels.policy_loss` and :func:`linear_log_probs`: NaN in a selected
+    token's inputs (or in ``weight``) gives a NaN loss; a masked token is selected away, so a NaN
+    there reaches only its own ``log_prob`` / ``entropy`` metric, not the loss nor the gradients.
     """
     vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
     n = hidden.shape[0]

@@ -35,7 +35,8 @@ def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str, d
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str = "low_var_kl") -> torch.Tensor:
     """verl's ``kl_penalty`` estimators (``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``,
     and ``+`` straight-through variants), elementwise on same-shape float tensors; fp32 result,
-    differentiable w.r.t. ``log_prob``."""
+    differentiable w.r.t. ``log_prob``. NaN in, NaN out, elementwise; the gradient at a NaN is
+    that of torch's autograd of verl's estimator (e.g. 0 where ``low_var_kl`` clamps it)."""
     check_tensor("log_prob", log_prob, dtypes=FLOAT_DTYPES)
     check_tensor("ref_log_prob", ref_log_prob, dtypes=FLOAT_DTYPES, device=log_prob.device,
                  shape=tuple(log_prob.shape))

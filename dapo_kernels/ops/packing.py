@@ -71,6 +71,8 @@ def _as_storable(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_pack_rows(src: torch.Tensor, row_map: torch.Tensor, n_dst_rows: int, pad: bool) -> torch.Tensor:
+    # The kernel addresses both as dense: row r of src at r * n_feat, entry r of row_map at r.
+    src, row_map = src.contiguous(), row_map.contiguous()
     n_feat = src.shape[1]
     dst = empty_output((n_dst_rows, n_feat), dtype=src.dtype, device=src.device)
     if n_dst_rows == 0 or n_feat == 0:
@@ -93,7 +95,7 @@ def _inverse_row_map(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 @register("index_rows", "triton")
 def _index_rows_triton(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    return _launch_pack_rows(x.contiguous(), indices, indices.numel(), pad=False)
+    return _launch_pack_rows(x, indices, indices.numel(), pad=False)
 
 
 @register("index_rows", "torch")
@@ -106,7 +108,7 @@ def _index_rows_torch(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 @register("scatter_rows", "triton")
 def _scatter_rows_triton(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return _launch_pack_rows(x.contiguous(), _inverse_row_map(indices, num_rows), num_rows, pad=True)
+    return _launch_pack_rows(x, _inverse_row_map(indices, num_rows), num_rows, pad=True)
 
 
 def _first_position_reaching(count: torch.Tensor, n: int) -> torch.Tensor:
@@ -220,6 +222,7 @@ def unpad_input(
         ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` Python int,
         ``seqused`` int32 ``[B]`` (tokens per row that ``attention_mask`` selects).
 
+    NaN / inf are copied like any value: only those at positions the masks select reach ``x_unpad``.
     Host synchronisation: exactly one, reading ``(nnz, max_seqlen)`` together; ``nnz``
     sizes the output and ``max_seqlen`` is returned as a Python int. ``cu_seqlens`` and
     ``indices`` are built on the device by cumsum + searchsorted (no ``nonzero()``).
@@ -280,7 +283,8 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
             as returned by :func:`unpad_input`.
         batch, seqlen: the padded shape.
 
-    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
+    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``; NaN / inf are copied
+    like any value.
     Host synchronisation: one, for the range and distinctness check of ``indices`` (a repeated
     position is a ``ValueError``), unless they are those :func:`unpad_input` returned for this
     ``batch * seqlen`` (valid by construction: none).

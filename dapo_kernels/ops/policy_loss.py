@@ -35,21 +35,40 @@ _NUM_SUMS = 5
 
 
 # --------------------------------------------------------------------------- kernels
+# torch's min / max / clamp propagate NaN; Triton's return the other operand (and their
+# NaN-propagating flavour has no fp64 instruction to lower to on NVIDIA GPUs), hence these.
+@triton.jit
+def _max_nan(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.minimum(a, b)))
+
+
+@triton.jit
+def _clamp_nan(x, lo, hi):
+    return tl.where(x != x, x, tl.minimum(tl.maximum(x, lo), hi))
+
+
 @triton.jit
 def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
     """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64)."""
     b_d = b_lp - b_old
-    b_nkl = tl.minimum(tl.maximum(b_d, -20.0), 20.0)
+    b_nkl = _clamp_nan(b_d, -20.0, 20.0)
     b_ratio = tl.exp(b_nkl)
     b_pg1 = -b_adv * b_ratio
-    b_pg2 = -b_adv * tl.minimum(tl.maximum(b_ratio, 1.0 - clip_low), 1.0 + clip_high)
-    b_c1 = tl.maximum(b_pg1, b_pg2)
+    b_pg2 = -b_adv * _clamp_nan(b_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    b_c1 = _max_nan(b_pg1, b_pg2)
     b_pg3 = -b_adv * clip_c
     b_neg = b_adv < 0
-    b_loss = tl.where(b_neg, tl.minimum(b_pg3, b_c1), b_c1)
+    b_loss = tl.where(b_neg, _min_nan(b_pg3, b_c1), b_c1)
     # Gradient flows through pg1 where it wins the max (pg2 wins only where the clamp
-    # saturates, so its gradient is zero) and not where the dual clip pg3 wins.
-    b_pass = (b_d >= -20.0) & (b_d <= 20.0) & (b_pg1 >= b_pg2) & ((~b_neg) | (b_c1 < b_pg3))
+    # saturates, so its gradient is zero) and not where the dual clip pg3 wins; a non-finite
+    # advantage passes its NaN / inf on, as torch's autograd of verl's loss does.
+    b_pass = (b_d >= -20.0) & (b_d <= 20.0) & (
+        (tl.abs(b_adv) == float("inf")) | (b_adv != b_adv) | ((b_pg1 >= b_pg2) & ((~b_neg) | (b_c1 < b_pg3))))
     b_dl = tl.where(b_pass, b_pg1, 0.0)
     b_clip = (b_pg2 > b_pg1).to(tl.float64)
     b_clip_low = ((b_c1 > b_pg3) & b_neg).to(tl.float64)
@@ -86,7 +105,7 @@ def _policy_loss_fwd_kernel(
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
     tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
     tl.store(p_out + 2, tl.sum(b_m * b_clip_low, axis=0))
-    tl.store(p_out + 3, tl.sum(b_m * -b_nkl, axis=0))
+    tl.store(p_out + 3, tl.sum(tl.where(b_m > 0, -b_nkl, 0.0), axis=0))  # selected away, as NaN * 0 is not
     tl.store(p_out + 4, tl.sum(b_m, axis=0))
 
 
@@ -106,8 +125,14 @@ def _policy_loss_bwd_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+def _dense(*ts: torch.Tensor):
+    """The kernels address token ``i`` of every input at offset ``i``."""
+    return [t.contiguous() for t in ts]
+
+
 @register("policy_loss_sums", "triton")
 def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float64, device=lp.device)
     if n == 0:
@@ -121,6 +146,7 @@ def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
 
 @register("policy_loss_grad", "triton")
 def _grad_triton(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
     if n:
@@ -147,17 +173,23 @@ def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: floa
     pg3 = -adv * clip_c
     neg = adv < 0
     loss = torch.where(neg, torch.minimum(pg3, c1), c1)
-    passes = (d.abs() <= _LOG_RATIO_CLAMP) & (pg1 >= pg2) & (~neg | (c1 < pg3))
+    passes = (d.abs() <= _LOG_RATIO_CLAMP) & (~torch.isfinite(adv) | ((pg1 >= pg2) & (~neg | (c1 < pg3))))
     dl = torch.where(passes, pg1, 0.0)
     return loss, dl, (pg2 > pg1).double(), ((c1 > pg3) & neg).double(), nkl
+
+
+def metric_sums(mask, clip, clip_low, nkl):
+    """fp64 (#clipped, #dual-clipped, sum(-log-ratio), #tokens) over the tokens ``mask`` selects; the
+    others are selected away (a NaN log-ratio there must not reach ``ppo_kl`` through NaN * 0)."""
+    m = mask.double()
+    return [m @ clip, m @ clip_low, torch.where(mask, -nkl, 0.0).sum(), m.sum()]
 
 
 @register("policy_loss_sums", "torch")
 def _sums_torch(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
-    m = mask.double()
     wl = torch.where(mask, w.double() * loss, 0.0)
-    return torch.stack([wl.sum(), m @ clip, m @ clip_low_ind, m @ -nkl, m.sum()])
+    return torch.stack([wl.sum(), *metric_sums(mask, clip, clip_low_ind, nkl)])
 
 
 @register("policy_loss_grad", "torch")
@@ -339,6 +371,11 @@ def policy_loss(
         ``loss``: fp32 0-dim, differentiable w.r.t. ``log_prob`` (and ``old_log_prob``);
         ``metrics``: detached fp32 0-dim ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
         (masked means; no host sync). An all-masked batch gives loss 0 and zero gradient.
+
+    NaN / inf, on both backends: in a token the mask selects, as verl's loss under torch's autograd
+    (NaN in, NaN loss; the gradient is 0 at a NaN log-ratio, which verl clamps, and NaN / inf for a
+    non-finite advantage); in a masked token, nothing: it is selected away (``torch.where``), from
+    the loss, the metrics and the gradient.
     """
     check_tensor("log_prob", log_prob, ndim=(1, 2), dtypes=FLOAT_DTYPES)
     for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):

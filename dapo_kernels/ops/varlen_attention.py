@@ -90,6 +90,14 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _finite_or_zero(x):
+    """``x`` with non-finite entries read as 0. For the diagonal blocks' tiles, where a query row
+    does not attend every key the tile holds: a masked key's inf / NaN would still reach the row
+    through a zero probability (0 * inf = NaN). What does attend it is marked NaN by the op."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0).to(x.dtype)
+
+
+@triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale,
                MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
@@ -104,6 +112,8 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
         m_kv = (o_n < L)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
+        if MASK_CAUSAL:
+            b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale
         if MASK_CAUSAL:
             b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
@@ -212,6 +222,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
         m_q = m_row[:, None] & m_d[None, :]
         b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
         b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
+        if MASK_CAUSAL:
+            b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
         b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
         b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * qk_scale - b_lse[None, :])
@@ -220,6 +232,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
         b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
+        if MASK_CAUSAL:  # a query's NaN lse / delta must not reach the keys it does not attend
+            b_dst = tl.where(o_m[None, :] >= o_n[:, None], b_dst, 0.0)
         b_dk += tl.dot(_cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T), b_q, input_precision=PREC)
     return b_dk, b_dv
 
@@ -286,6 +300,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi,
         m_kv = (o_n < L)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
+        if MASK_CAUSAL:
+            b_k, b_v = _finite_or_zero(b_k), _finite_or_zero(b_v)
         b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale - b_lse[:, None])
         if MASK_CAUSAL:
             b_p = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_p, 0.0)
@@ -383,6 +399,7 @@ def _block_d(head_dim: int) -> int:
 
 @register("varlen_attention_fwd", "triton")
 def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+    q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
@@ -408,6 +425,7 @@ def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 @register("varlen_attention_bwd", "triton")
 def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     dq = empty_output(q.shape, dtype=q.dtype, device=q.device)
@@ -430,6 +448,28 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     return dq, dk, dv
 
 
+# --------------------------------------------------------------------------- non-finite inputs
+def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, H]``: the (token, head) rows of ``x [T, H, D]`` that hold a NaN or an inf."""
+    return ~torch.isfinite(x).all(-1)
+
+
+def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, keys: bool) -> torch.Tensor:
+    """bool ``[T, H]``: the queries that attend a key flagged in ``flag [T, H]`` or, with ``keys``, the
+    keys that a flagged query attends; within each sequence, causal: key ``j <= `` query ``i``.
+    Prefix counts on the device, no host sync."""
+    T = flag.shape[0]
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    t = torch.arange(T, device=flag.device)
+    start = torch.repeat_interleave(cu[:-1], lens, output_size=T)
+    end = torch.repeat_interleave(cu[1:], lens, output_size=T)
+    lo = t if causal and keys else start
+    hi = t + 1 if causal and not keys else end
+    count = torch.nn.functional.pad(torch.cumsum(flag, 0, dtype=torch.int32), (0, 0, 1, 0))  # flagged rows < t
+    return count[hi] > count[lo]
+
+
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("dapo::varlen_attention_fwd", mutates_args=())
 def _varlen_attention_fwd(
@@ -441,8 +481,15 @@ def _varlen_attention_fwd(
     ``lse`` is in the unit of the backend that ran, the one its backward recomputes
     probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
     Triton, natural log for the torch path (torch's CPU kernels). The public function
-    converts to natural log; autograd runs the backward on the forward's backend."""
-    return dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
+    converts to natural log; autograd runs the backward on the forward's backend.
+
+    NaN in, NaN out, whatever the backend's block sizes: the rows of ``out`` and ``lse`` of a
+    query whose ``q``, or the ``k`` / ``v`` of a key it attends, hold a NaN or inf are NaN, and
+    no other (the backends read such values as 0 where a query does not attend them)."""
+    out, lse = dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
+    attends_bad = _attending(_nonfinite_rows(k) | _nonfinite_rows(v), cu_seqlens, causal, keys=False)
+    poisoned = _nonfinite_rows(q) | attends_bad.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return out.masked_fill_(poisoned[..., None], float("nan")), lse.masked_fill_(poisoned.t(), float("nan"))
 
 
 @_varlen_attention_fwd.register_fake
@@ -455,10 +502,19 @@ def _varlen_attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, softmax_scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head."""
-    return dispatch("varlen_attention_bwd", q.device)(
+    """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head.
+
+    A query whose ``lse`` is NaN (the forward's mark of a non-finite input it depends on) or whose
+    ``dout`` holds a NaN or inf gets NaN ``dq``, and the keys it attends NaN ``dk`` / ``dv``; nothing
+    else does (the backends read non-finite values as 0 where they are not attended)."""
+    dq, dk, dv = dispatch("varlen_attention_bwd", q.device)(
         dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale
     )
+    T, Hq, _ = q.shape
+    bad = lse.isnan().t() | _nonfinite_rows(dout)
+    keys = _attending(bad.reshape(T, k.shape[1], Hq // k.shape[1]).any(-1), cu_seqlens, causal, keys=True)
+    return (dq.masked_fill_(bad[..., None], float("nan")), dk.masked_fill_(keys[..., None], float("nan")),
+            dv.masked_fill_(keys[..., None], float("nan")))
 
 
 @_varlen_attention_bwd.register_fake
@@ -542,6 +598,11 @@ def varlen_attention(
         :mod:`dapo_kernels._validation`). Validating ``cu_seqlens`` costs one host sync.
 
     Differentiable for ``q``, ``k``, ``v``; the backward is deterministic.
+
+    NaN / inf: a query's ``out`` / ``lse`` / ``dq`` rows are NaN when its ``q``, or the ``k`` / ``v``
+    of a key it attends (its sequence; causal: that key and the earlier ones), hold a NaN or inf,
+    and so are the ``dk`` / ``dv`` rows of the keys such a query attends; nothing else changes
+    (other sequences, earlier queries), on both backends, whatever their block sizes.
     """
     _check_qkv(q, k, v)
     check_cu_seqlens(cu_seqlens, q.shape[0], device=q.device)

@@ -32,8 +32,10 @@ constexpr int64_t kCapScanWindow = 32;
 // within one or two counts of it when it fits at all below the best-fit packing's count.
 constexpr int64_t kLinearCounts = 8;
 // ... but each try is a KK run (0.5 s at n = 1e6), so past 32k items the scan stops after
-// this many items in all (at least one count): at such n, where KK misses the lower
-// bound, best-fit decreasing came within 0.2% of it on every shape measured.
+// this many items in all (at least one count): at n = 1e5 and 1e6, best-fit decreasing
+// came within 0.21% of the lower bound on every shape of the tests (caps 1-3x the longest:
+// 0.05-0.21% with lengths uniform in 1..cap, at most 0.008% for log-normal, equal,
+// giant + tiny, tiny).
 constexpr int64_t kScanItems = int64_t(1) << 18;
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
@@ -57,7 +59,7 @@ void check_count(int64_t n) {
 // sit in a binary heap with the last one on top, plus the largest sum: a merge only ever
 // takes a state's smallest groups, so it costs O(groups that move * log k), and with
 // small-to-large merging KK runs in O(n log^2 n) whatever k is (a sorted vector shifted
-// O(k) groups per merge: O(n * k), minutes at n = 1e5, k = n / 2).
+// O(k) groups per merge: O(n * k), 11 s a run at n = 1e5, k = n / 2, against 0.07 s).
 // A group is a linked list over items (next_), so joining two groups is O(1).
 struct KKGroup {
   int64_t sum;

@@ -204,7 +204,8 @@ def test_micro_batches_many_items_just_over_a_fraction(lo, hi):
 
 
 # The timed call alone (imports excluded), 200,000 sequences, on the shared 2-core machine:
-# 0.5-0.6 s of CPU, 1.3-2.3 s wall at load 9; the base commit took minutes (n = 1e5: 86 s).
+# 0.5 s of CPU, 1.1-1.5 s wall at load 9-10 (4x margin); the base commit took minutes
+# (n = 1e5: 59 s of CPU, 283 s wall at that load).
 FAST_LIMIT_S = 5
 
 

@@ -5,7 +5,8 @@ view with one index tensor and run through ``aten._scaled_dot_product_flash_atte
 and its backward, which take grouped KV heads natively. The loop is over the few buckets, not
 over sequences; on a 12-sequence 16..768-token mix it matched a per-sequence SDPA loop and ran
 3-4x faster than one padded call (benchmarks/bench_varlen_attention.py). The lse is in natural
-log units, the unit these kernels produce and consume.
+log units, the unit these kernels produce and consume. The backward of 16-bit inputs runs in
+float32 (see :func:`_bwd_torch`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .._registry import register
 # Sequences whose lengths differ by less than this factor share one padded SDPA call
 # (padding costs at most this factor in length; fewer, bigger calls).
 _BUCKET_RATIO = 1.5
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @per_tensor_cache  # once per batch, not per layer
@@ -97,6 +99,14 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     lse_nat = lse.t()
+    if q.dtype in _LOW_PRECISION:
+        # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's
+        # dK/dV in 16 bits): its errors reached 6x plain torch's in the same dtype (MHA as
+        # well as GQA, worst with causal MQA), where flash-attn's rule allows 3x. On fp32
+        # copies each gradient is rounded once, in _unpad_into (measured: <= 0.7x the rule's
+        # bound), and it is faster: fwd+bwd of bench_varlen_attention.py's batch went from
+        # 122 to 52 ms in bf16, 584 to 50 ms in fp16 (1 thread; fp32 itself 47 ms).
+        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
         # Padding rows get dO = 0 and lse = +inf, so their probabilities are exactly 0 and
         # they add nothing to dK/dV; padding slots' own gradients are dropped.

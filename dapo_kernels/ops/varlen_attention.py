@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._cache import per_tensor_cache
-from .._registry import current_backend, dispatch, register, use_backend
+from .._registry import backend_kernel_serves, current_backend, dispatch, register, use_backend
 from .._validation import check_cu_seqlens, check_flag, check_float, check_int, check_tensor
 from . import _varlen_attention_cpu  # noqa: F401  (registers the torch path)
 from ._triton_utils import INTERPRET, cdiv
@@ -478,10 +478,11 @@ def _varlen_attention_fwd(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
 
-    ``lse`` is in the unit of the backend that ran, the one its backward recomputes
+    ``lse`` is in the unit of the kernel that ran, the one its backward recomputes
     probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
-    Triton, natural log for the torch path (torch's CPU kernels). The public function
-    converts to natural log; autograd runs the backward on the forward's backend.
+    Triton, natural log for the torch path (torch's CPU kernels) and for out-of-tree kernels
+    (e.g. npu_ops, which run whatever backend is forced). The public function converts to
+    natural log; autograd runs the backward on the forward's backend.
 
     NaN in, NaN out, whatever the backend's block sizes: the rows of ``out`` and ``lse`` of a
     query whose ``q``, or the ``k`` / ``v`` of a key it attends, hold a NaN or inf are NaN, and
@@ -616,4 +617,8 @@ def varlen_attention(
     )
     if not return_lse:
         return out
-    return out, (lse * _LN2 if current_backend(q.device) == "triton" else lse)
+    # Base 2 only if the Triton kernel ran: an out-of-tree kernel (NPU) runs even when
+    # triton is forced, and its lse is natural.
+    triton_ran = current_backend(q.device) == "triton" and not backend_kernel_serves(
+        "dapo::varlen_attention_fwd", q.device)
+    return out, (lse * _LN2 if triton_ran else lse)

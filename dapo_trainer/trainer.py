@@ -42,7 +42,8 @@ from . import rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
-from .parallel import apply_fsdp, balanced_dp_split, full_state_dict, make_mesh, parallelize, tp_shard_dims
+from .parallel import (apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh, parallelize,
+                       tp_shard_dims)
 from .rollout import make_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,10 +145,14 @@ class DAPOTrainer:
                              f"number of processes {self.world}")
         self.dp = self.world // self.tp
         self.tp_group = self.dp_group = self.dp_mesh = None
+        # Where tensors handed to a collective live: the backend's device (NCCL takes CUDA
+        # tensors only), whatever the tensor was built from.
+        self.comm_device = self.device
         if self.world > 1:
             mesh = make_mesh(self.device, tp=self.tp)
             self.tp_group, self.dp_mesh = mesh["tp"].get_group(), mesh["dp"]
             self.dp_group = self.dp_mesh.get_group()
+            self.comm_device = collective_device(self.dp_group)
 
     def _build_model(self, path: str, trainable: bool = True):
         arr = self.cfg.actor_rollout_ref
@@ -319,7 +324,7 @@ class DAPOTrainer:
                 micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu)
                 if a.strategy == "fsdp2" and self.dp > 1:
                     # FSDP reduce-scatters in every backward: every rank runs as many.
-                    cnt = torch.tensor([len(micro)], device=self.device)
+                    cnt = torch.tensor([len(micro)], device=self.comm_device)
                     dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.dp_group)
                     micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu, min_num_micro_batches=int(cnt))
                 micro = [[mine[i] for i in mb] for mb in micro]
@@ -431,7 +436,8 @@ class DAPOTrainer:
             self.scheduler.step()
         timing["timing_s/update_actor"] = time.perf_counter() - t0
         if self.dp > 1:  # the norm is identical on every rank: only the per-rank sums are summed
-            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=self.device)])
+            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=acc.device)])
+            acc = acc.to(self.comm_device)
             dist.all_reduce(acc, group=self.dp_group)
             *sums, loss_sum = acc.tolist()
         else:
@@ -476,7 +482,7 @@ class DAPOTrainer:
         if self.tp == 1:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         sharded = tp_shard_dims(self.model)
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
+        sq = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
         grads = []
         for name, p in self.model.named_parameters():
             if p.grad is not None:
@@ -513,10 +519,11 @@ class DAPOTrainer:
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
         if self.world > 1:
+            sums = sums.to(self.comm_device)
             dist.all_reduce(sums)
-        n = max(float(sums[3]), 1.0)
-        return {"val/score": float(sums[0]) / n, "val/acc": float(sums[1]) / n,
-                "val/response_length": float(sums[2]) / n}
+        score, acc, length, n = sums.tolist()
+        n = max(n, 1.0)
+        return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> Dict[str, float]:

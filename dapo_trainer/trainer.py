@@ -11,7 +11,8 @@ One step (``DAPOTrainer.train_step``):
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
    token-capped micro-batches (``dk.micro_batches``) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
-   gradient all-reduce, clipping, AdamW with warmup; an update whose loss or gradient norm
+   gradients averaged over data-parallel ranks by torch's DDP (once per mini-batch: the
+   micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW with warmup; an update whose loss or gradient norm
    is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such
    steps in a row);
 6. push the weights to the rollout engine; log.
@@ -28,6 +29,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Dict, List, Optional
 
 import torch
@@ -42,7 +44,7 @@ from . import rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
-from .parallel import (apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh, parallelize,
+from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh, parallelize,
                        tp_shard_dims)
 from .rollout import make_rollout
 
@@ -105,6 +107,11 @@ class DAPOTrainer:
         self.resume_dir = self._find_resume_dir()
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
         self.model = self._build_model(model_dir)
+        # DDP averages the gradients over data-parallel ranks in the backward (FSDP2 shards
+        # them); the training forward runs through the wrapper, log-probs on the model itself.
+        self.ddp = None
+        if self.dp > 1 and self.actor_cfg.strategy == "ddp":
+            self.ddp = apply_ddp(self.model, self.dp_group)
         self.ref_model = None
         if self.actor_cfg.use_kl_loss:
             self.ref_model = self._build_model(arr.model.path, trainable=False)
@@ -390,40 +397,47 @@ class DAPOTrainer:
         acc = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.device)
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
-        weight = self.model.lm_head.weight
         seq_mode = a.loss_agg_mode.startswith("seq")
-        dp_scale = self.dp if (a.strategy == "fsdp2" and self.dp > 1) else 1
+        dp_scale = float(self.dp)  # DDP and FSDP average gradients; the loss is a global sum
+        forward = self.ddp or self.model
         for epoch in range(a.ppo_epochs):
             for i, (p, mbs) in enumerate(zip(plan, packed)):
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-                for mb in mbs:
-                    hidden = self.model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-                    # On-policy (old_log_prob None): the op takes the old log-probs from its own
-                    # forward (ratio exactly 1), so no separate log-prob pass runs.
-                    loss, m = dk.fused_linear_policy_loss(
-                        hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
-                        mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
-                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                        loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
-                        cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
-                        loss_scale_factor=self.cfg.data.max_response_length
-                        if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
-                        entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
-                        kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
-                        process_group=self.model.tp_group, calculate_entropy=True)
-                    (loss * dp_scale).backward()
-                    ntok = mb["mask"].sum().double()
-                    has_kl = has_kl or "kl_loss" in m
-                    mini_loss += loss.detach().double()
-                    acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
-                                        *(m[k].double() * ntok for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
-                                        (m["entropy"].double() * mb["mask"]).sum(), ntok])
-                # A rank whose loss is not finite makes its gradient NaN, so that the gradient
-                # reduction (or the norm's all-reduce) hands every rank a non-finite norm and all of
-                # them skip the update together.
+                for j, mb in enumerate(mbs):
+                    # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
+                    sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
+                    with sync:
+                        hidden = forward(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+                        # Read after the forward: FSDP2 swaps the root's gathered weights in there
+                        # (before it, lm_head.weight is this rank's DTensor shard).
+                        weight = self.model.lm_head.weight
+                        # On-policy (old_log_prob None): the op takes the old log-probs from its own
+                        # forward (ratio exactly 1), so no separate log-prob pass runs.
+                        loss, m = dk.fused_linear_policy_loss(
+                            hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
+                            mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
+                            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                            loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
+                            cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
+                            loss_scale_factor=self.cfg.data.max_response_length
+                            if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
+                            entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
+                            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
+                            process_group=self.model.tp_group, calculate_entropy=True)
+                        mini_loss += loss.detach().double()
+                        # A rank whose loss so far is not finite backpropagates NaN: DDP's reduction
+                        # (in the last micro-batch's backward), FSDP's reduce-scatter or the norm's
+                        # all-reduce then hands every rank a non-finite norm, and all of them skip
+                        # the update together.
+                        scale = torch.where(torch.isfinite(mini_loss), dp_scale, float("nan")).to(loss.dtype)
+                        (loss * scale).backward()
+                        ntok = mb["mask"].sum().double()
+                        has_kl = has_kl or "kl_loss" in m
+                        acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
+                                            *(m[k].double() * ntok for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
+                                            (m["entropy"].double() * mb["mask"]).sum(), ntok])
                 self._poison_grads_unless_finite(mini_loss)
-                self._reduce_grads()
                 loss_val, norm = torch.stack([mini_loss, self._clip_grads().double()]).tolist()
                 loss_sum, norm_sum = loss_sum + loss_val, norm_sum + norm
                 if math.isfinite(norm) and math.isfinite(loss_val):
@@ -463,36 +477,37 @@ class DAPOTrainer:
             if p.grad is not None:
                 p.grad.add_(poison)  # a 0-dim tensor operand: a foreach op would read it on the CPU
 
-    def _reduce_grads(self) -> None:
-        """Sum gradients over data-parallel ranks (FSDP does it itself)."""
-        if self.dp == 1 or self.actor_cfg.strategy == "fsdp2":
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _clip_grads(self) -> torch.Tensor:
         """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return the norm
         (a 0-dim tensor on the device: nothing is read here)."""
+        from torch.distributed.tensor import DTensor
+
         clip = self.actor_cfg.grad_clip
         if self.tp == 1:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            # FSDP2: the norm of DTensor gradients is a (replicated) DTensor; read as a plain tensor.
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+        # Squared norms of this rank's gradients: [0] of the parameters sharded over the TP group,
+        # [1] of those replicated over it. Under FSDP2 the gradients are DTensors sharded over the DP
+        # ranks too: their local shards are summed over the DP group first.
         sharded = tp_shard_dims(self.model)
         sq = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
-        grads = []
+        grads, fsdp = [], False
         for name, p in self.model.named_parameters():
             if p.grad is not None:
-                sq[0 if name in sharded else 1] += p.grad.double().pow(2).sum()
-                grads.append(p.grad)
+                g = p.grad
+                if isinstance(g, DTensor):
+                    g, fsdp = g.to_local(), True
+                sq[0 if name in sharded else 1] += g.double().pow(2).sum()
+                grads.append(g)
+        if fsdp:
+            dist.all_reduce(sq, group=self.dp_group)
         shard_sq = sq[:1].clone()
         dist.all_reduce(shard_sq, group=self.tp_group)
         norm = (shard_sq[0] + sq[1]).sqrt()
         coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()  # as clip_grad_norm_, on the device
-        for g in grads:
+        for g in grads:  # local shards: scaling them scales the DTensors
             g.mul_(coef)
         return norm
 

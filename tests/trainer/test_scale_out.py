@@ -25,6 +25,7 @@ from tests.trainer.tiny import micro_setup
 RUN = ["trainer.total_training_steps=1", "trainer.seed=7"]
 SCENARIOS = {
     "dp2": [],
+    "fsdp2": ["actor_rollout_ref.actor.strategy=fsdp2"],
     "tp2": ["actor_rollout_ref.actor.tensor_model_parallel_size=2"],
 }
 
@@ -68,19 +69,34 @@ def _run_trainer(overrides) -> dict:
         return batch, metrics
 
     trainer.engine.generate, trainer.collect = counting_generate, keeping_collect
+    micro, plan = [], trainer._plan
+
+    def counting_plan(batch):
+        p = plan(batch)
+        micro.extend(len(m["micro"]) for m in p)
+        return p
+
+    trainer._plan = counting_plan
     with CollectiveAudit(simulate="cuda") as audit:
+        if trainer.ddp is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def counting_hook(group, bucket):  # DDP's own reduction, counted per bucket
+                audit.calls.append((audit.phase, "ddp_bucket"))
+                return allreduce_hook(group, bucket)
+
+            trainer.ddp.register_comm_hook(trainer.dp_group, counting_hook)
         audit.phase = "step"
         metrics = trainer.train_step()
         train_tokens = sum(gen_tokens)
         audit.phase = "validate"
         metrics.update(trainer.validate())
     return {"metrics": metrics, "batch": batches[0], "rank_gen_tokens": train_tokens,
-            "collectives": dict(audit.counts())}
+            "collectives": dict(audit.counts()), "micro_batches": micro}
 
 
-def _worker(rank: int, root: str, scenarios: dict):
+def _worker(rank: int, root: str, base: list, scenarios: dict):
     torch.set_num_threads(1)
-    base = micro_setup(root) + RUN
     results = {name: _run_trainer(base + [f"trainer.default_local_dir={root}/{name}"] + extra)
                for name, extra in scenarios.items()}
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
@@ -89,7 +105,8 @@ def _worker(rank: int, root: str, scenarios: dict):
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_two_processes_under_simulated_accelerator(tmp_path):
-    spawn_process_group(_worker, 2, str(tmp_path), SCENARIOS, timeout=datetime.timedelta(seconds=300))
+    base = micro_setup(str(tmp_path)) + RUN
+    spawn_process_group(_worker, 2, str(tmp_path), base, SCENARIOS, timeout=datetime.timedelta(seconds=300))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for name in SCENARIOS:
         for r, res in enumerate(ranks):
@@ -97,3 +114,9 @@ def test_two_processes_under_simulated_accelerator(tmp_path):
             print(name, "rank", r, "collectives:", counts)
             assert any(phase == "validate" for phase, _ in counts), (name, counts)
             assert res[name]["metrics"]["actor/num_updates"] >= 1
+        # DDP: one gradient all-reduce per optimizer update (the tiny model fits DDP's first
+        # bucket), although each update accumulates several micro-batches.
+        for res in ranks:
+            updates, micro = res["dp2"]["metrics"]["actor/num_updates"], res["dp2"]["micro_batches"]
+            assert len(micro) == updates and sum(micro) > updates, micro
+            assert res["dp2"]["collectives"].get(("step", "ddp_bucket")) == updates

@@ -17,10 +17,12 @@ One step (``DAPOTrainer.train_step``):
    steps in a row);
 6. push the weights to the rollout engine; log.
 
-Parallelism: every rank runs the same rollout (same seed, same prompts), so every rank
-holds the whole train batch and all ranks agree on it without communication; the update
-is split over data-parallel ranks and, inside a DP rank, tensor parallel over
-``actor.tensor_model_parallel_size`` ranks.
+Parallelism: each data-parallel replica (a TP group) samples and rewards its share of the
+generation batch, whole prompt groups, with the counter-based streams the whole batch
+would draw, and the shares are all-gathered: every rank holds the same batch (the same one
+for any number of processes) and dynamic sampling decides identically everywhere. The
+update is split over data-parallel ranks (torch's DDP, or FSDP2) and, inside a DP rank,
+tensor parallel over ``actor.tensor_model_parallel_size`` ranks.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
 # The update's metric sums kept on the device, in this order (token-weighted ones times tokens).
 _DEVICE_SUMS = ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "tokens")
+# Per-response columns a rollout share carries after its padded response ids and log-probs.
+_SHARE_COLUMNS = ("response_len", "stopped", "score", "acc", "reward", "filter_metric")
 logger = logging.getLogger(__name__)
 
 
@@ -240,15 +244,19 @@ class DAPOTrainer:
     def _seed(self, step: int, k: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + k) % (2 ** 62)
 
-    def generation_batch(self, step: int, k: int) -> dict:
-        """Generate, reward and filter one generation batch; rows padded to fixed widths."""
+    def _sample_share(self, prompts: List[List[int]], rows: List[dict], offset: int, seed: int):
+        """Sample, reward and measure this data-parallel replica's share of a generation batch
+        (``prompts`` start at index ``offset`` of it). Returns ``(table, local_tokens, timing)``: one
+        float64 row per response, the columns of :data:`_SHARE_COLUMNS` (ids and log-probs padded
+        to ``data.max_response_length``)."""
         d, r = self.cfg.data, self.rollout_cfg
-        idx = self.cursor.next_batch()
-        rows = [self.train_rows[i] for i in idx]
-        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
+        R = d.max_response_length
+        table = torch.zeros(len(prompts) * r.n, 2 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
+        if not prompts:  # more replicas than prompts: this one only receives
+            return table, 0, {"gen": 0.0, "reward": 0.0}
         t0 = time.perf_counter()
-        out = self.engine.generate(prompts, r.n, d.max_response_length, temperature=r.temperature, top_p=r.top_p,
-                                   seed=self._seed(step, k), stop_token_ids=self.tokenizer.eos_token_ids)
+        out = self.engine.generate(prompts, r.n, R, temperature=r.temperature, top_p=r.top_p, seed=seed,
+                                   stop_token_ids=self.tokenizer.eos_token_ids, prompt_offset=offset)
         t1 = time.perf_counter()
         score, acc, comps = self._score(out, rows)
         score = torch.tensor(score, dtype=torch.float64)
@@ -257,42 +265,81 @@ class DAPOTrainer:
         final = score.clone()
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
-            final += dk.overlong_penalty(lengths, d.max_response_length, ob.len, ob.penalty_factor).double()
-        t2 = time.perf_counter()
+            final += dk.overlong_penalty(lengths, R, ob.len, ob.penalty_factor).double()
         metric = self._filter_metric(score, acc, final, comps)
+        table[:, :R] = self.tokenizer.pad_token_id
+        valid = torch.arange(R)[None, :] < lengths[:, None]
+        table[:, :R][valid] = out.response_ids.double()
+        table[:, R:2 * R][valid] = out.log_probs.double()
+        stop = torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.float64)
+        table[:, 2 * R:] = torch.stack([lengths.double(), stop, score, acc, final, metric], dim=1)
+        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}
+
+    def _gather_shares(self, table: torch.Tensor, rows_per_replica: List[int]) -> torch.Tensor:
+        """Every replica's share table, in replica order (one all-gather over the DP group, on its
+        device); shares padded to the longest."""
+        if self.dp == 1:
+            return table
+        buf = table.new_zeros(max(rows_per_replica), table.shape[1], device=self.comm_device)
+        buf[:table.shape[0]] = table.to(self.comm_device)
+        parts = [torch.empty_like(buf) for _ in range(self.dp)]
+        dist.all_gather(parts, buf, group=self.dp_group)
+        return torch.cat([p[:m] for p, m in zip(parts, rows_per_replica)]).cpu()
+
+    def generation_batch(self, step: int, k: int) -> dict:
+        """Generate, reward and filter one generation batch; rows padded to fixed widths.
+
+        Each data-parallel replica (a TP group) samples and rewards a contiguous share of the
+        prompts, whole groups, with the random streams the whole batch would draw
+        (``prompt_offset``); the shares are all-gathered, so every rank filters the same batch.
+        """
+        d, r = self.cfg.data, self.rollout_cfg
+        idx = self.cursor.next_batch()
+        rows = [self.train_rows[i] for i in idx]
+        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
+        B, n, R = len(prompts), r.n, d.max_response_length
+        bounds = [B * q // self.dp for q in range(self.dp + 1)]
+        q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
+        lo, hi = bounds[q], bounds[q + 1]
+        share, local_tokens, timing = self._sample_share(prompts[lo:hi], rows[lo:hi], lo, self._seed(step, k))
+        t0 = time.perf_counter()
+        table = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(self.dp)])
+        timing["gen"] += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        lengths, stop, score, acc, final, metric = table[:, 2 * R:].unbind(1)
+        lengths = lengths.long()
         algo = self.cfg.algorithm
-        adv = dk.group_filter(final, group_size=r.n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
+        adv = dk.group_filter(final, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
-            keep = dk.group_filter(metric, group_size=r.n).check().keep
+            keep = dk.group_filter(metric, group_size=n).check().keep
         else:
             keep = torch.ones(len(final), dtype=torch.bool)
-        N, P, R = out.num_responses, d.max_prompt_length, d.max_response_length
+        group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
+        N, P = B * n, d.max_prompt_length
         prompt_ids = torch.full((N, P), self.tokenizer.pad_token_id, dtype=torch.int64)
         prompt_len = torch.zeros(N, dtype=torch.int64)
-        response_ids = torch.full((N, R), self.tokenizer.pad_token_id, dtype=torch.int64)
         for k_ in range(N):
-            p = prompts[out.group_index[k_].item()]
+            p = prompts[k_ // n]
             prompt_ids[k_, :len(p)] = torch.tensor(p)
             prompt_len[k_] = len(p)
-            s, e = out.cu_seqlens[k_].item(), out.cu_seqlens[k_ + 1].item()
-            response_ids[k_, :e - s] = out.response_ids[s:e]
-        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": response_ids,
-                   "response_len": lengths.long(), "advantages": adv.advantages.float(), "score": score,
-                   "acc": acc, "reward": final,
-                   "truncated": torch.tensor([f != "stop" for f in out.finish_reasons])}
-        return {"tensors": tensors, "group_index": out.group_index, "keep": keep, "metric": metric,
-                "timing": {"gen": t1 - t0, "reward": t2 - t1, "filter": time.perf_counter() - t2},
-                "tokens": int(prompt_len.sum() + lengths.sum())}
+        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": table[:, :R].long(),
+                   "response_len": lengths, "rollout_log_prob": table[:, R:2 * R].float(),
+                   "advantages": adv.advantages.float(), "score": score.clone(), "acc": acc.clone(),
+                   "reward": final.clone(), "truncated": stop == 0}
+        timing["filter"] = time.perf_counter() - t2
+        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric.clone(),
+                "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()), "local_tokens": local_tokens}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
-        timing, tokens, k = defaultdict(float), 0, 0
+        timing, tokens, local_tokens, k = defaultdict(float), 0, 0, 0
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
             for key, v in gb["timing"].items():
                 timing[key] += v
             tokens += gb["tokens"]
+            local_tokens += gb["local_tokens"]
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
@@ -307,6 +354,8 @@ class DAPOTrainer:
             "train/carried_in_groups": am[pre + "groups_carried_in"],
             "train/carried_over_groups": am[pre + "groups_carried_over"],
             "train/gen_tokens": tokens,
+            # Response tokens this rank's replica sampled: about 1 / DP of the batch's.
+            "train/local_response_tokens": local_tokens,
         }
         metrics.update({f"timing_s/{k_}": v for k_, v in timing.items()})
         return batch, metrics

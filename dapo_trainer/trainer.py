@@ -12,9 +12,9 @@ One step (``DAPOTrainer.train_step``):
    token-capped micro-batches (``dk.micro_batches``) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
    gradients averaged over data-parallel ranks by torch's DDP (once per mini-batch: the
-   micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW with warmup; an update whose loss or gradient norm
-   is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such
-   steps in a row);
+   micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW
+   with warmup; an update whose loss or gradient norm is not finite is skipped (the run
+   stops after ``trainer.max_nonfinite_steps`` such steps in a row);
 6. push the weights to the rollout engine; log.
 
 Parallelism: each data-parallel replica (a TP group) samples and rewards its share of the
@@ -46,8 +46,8 @@ from . import rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
-from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh, parallelize,
-                       tp_shard_dims)
+from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh,
+                       parallelize, tp_shard_dims)
 from .rollout import make_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -484,7 +484,8 @@ class DAPOTrainer:
                         ntok = mb["mask"].sum().double()
                         has_kl = has_kl or "kl_loss" in m
                         acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
-                                            *(m[k].double() * ntok for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
+                                            *(m[k].double() * ntok
+                                              for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
                                             (m["entropy"].double() * mb["mask"]).sum(), ntok])
                 self._poison_grads_unless_finite(mini_loss)
                 loss_val, norm = torch.stack([mini_loss, self._clip_grads().double()]).tolist()

@@ -26,7 +26,8 @@ def collective_device(group=None) -> torch.device:
             if dev_type == "cpu":
                 return torch.device("cpu")
             return torch.device(dev_type, getattr(torch, dev_type).current_device())
-    raise ValueError(f"group: no device known for the collective backend {backend!r} (known: {sorted(BACKENDS.values())})")
+    raise ValueError(f"group: no device known for the collective backend {backend!r} "
+                     f"(known: {sorted(BACKENDS.values())})")
 
 
 class _CopyToTP(torch.autograd.Function):

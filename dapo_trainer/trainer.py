@@ -11,15 +11,18 @@ One step (``DAPOTrainer.train_step``):
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
    token-capped micro-batches (``dk.micro_batches``) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
-   gradient all-reduce, clipping, AdamW with warmup; an update whose loss or gradient norm
-   is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such
-   steps in a row);
+   gradients averaged over data-parallel ranks by torch's DDP (once per mini-batch: the
+   micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW
+   with warmup; an update whose loss or gradient norm is not finite is skipped (the run
+   stops after ``trainer.max_nonfinite_steps`` such steps in a row);
 6. push the weights to the rollout engine; log.
 
-Parallelism: every rank runs the same rollout (same seed, same prompts), so every rank
-holds the whole train batch and all ranks agree on it without communication; the update
-is split over data-parallel ranks and, inside a DP rank, tensor parallel over
-``actor.tensor_model_parallel_size`` ranks.
+Parallelism: each data-parallel replica (a TP group) samples and rewards its share of the
+generation batch, whole prompt groups, with the counter-based streams the whole batch
+would draw, and the shares are all-gathered: every rank holds the same batch (the same one
+for any number of processes) and dynamic sampling decides identically everywhere. The
+update is split over data-parallel ranks (torch's DDP, or FSDP2) and, inside a DP rank,
+tensor parallel over ``actor.tensor_model_parallel_size`` ranks.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Dict, List, Optional
 
 import torch
@@ -42,7 +46,8 @@ from . import rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
-from .parallel import apply_fsdp, balanced_dp_split, full_state_dict, make_mesh, parallelize, tp_shard_dims
+from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh,
+                       parallelize, tp_shard_dims)
 from .rollout import make_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +55,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
 # The update's metric sums kept on the device, in this order (token-weighted ones times tokens).
 _DEVICE_SUMS = ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "tokens")
+# Per-response columns a rollout share carries after its padded response ids and log-probs.
+_SHARE_COLUMNS = ("response_len", "stopped", "score", "acc", "reward", "filter_metric")
 logger = logging.getLogger(__name__)
 
 
@@ -104,6 +111,11 @@ class DAPOTrainer:
         self.resume_dir = self._find_resume_dir()
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
         self.model = self._build_model(model_dir)
+        # DDP averages the gradients over data-parallel ranks in the backward (FSDP2 shards
+        # them); the training forward runs through the wrapper, log-probs on the model itself.
+        self.ddp = None
+        if self.dp > 1 and self.actor_cfg.strategy == "ddp":
+            self.ddp = apply_ddp(self.model, self.dp_group)
         self.ref_model = None
         if self.actor_cfg.use_kl_loss:
             self.ref_model = self._build_model(arr.model.path, trainable=False)
@@ -144,10 +156,14 @@ class DAPOTrainer:
                              f"number of processes {self.world}")
         self.dp = self.world // self.tp
         self.tp_group = self.dp_group = self.dp_mesh = None
+        # Where tensors handed to a collective live: the backend's device (NCCL takes CUDA
+        # tensors only), whatever the tensor was built from.
+        self.comm_device = self.device
         if self.world > 1:
             mesh = make_mesh(self.device, tp=self.tp)
             self.tp_group, self.dp_mesh = mesh["tp"].get_group(), mesh["dp"]
             self.dp_group = self.dp_mesh.get_group()
+            self.comm_device = collective_device(self.dp_group)
 
     def _build_model(self, path: str, trainable: bool = True):
         arr = self.cfg.actor_rollout_ref
@@ -228,15 +244,19 @@ class DAPOTrainer:
     def _seed(self, step: int, k: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + k) % (2 ** 62)
 
-    def generation_batch(self, step: int, k: int) -> dict:
-        """Generate, reward and filter one generation batch; rows padded to fixed widths."""
+    def _sample_share(self, prompts: List[List[int]], rows: List[dict], offset: int, seed: int):
+        """Sample, reward and measure this data-parallel replica's share of a generation batch
+        (``prompts`` start at index ``offset`` of it). Returns ``(table, local_tokens, timing)``: one
+        float64 row per response, the columns of :data:`_SHARE_COLUMNS` (ids and log-probs padded
+        to ``data.max_response_length``)."""
         d, r = self.cfg.data, self.rollout_cfg
-        idx = self.cursor.next_batch()
-        rows = [self.train_rows[i] for i in idx]
-        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
+        R = d.max_response_length
+        table = torch.zeros(len(prompts) * r.n, 2 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
+        if not prompts:  # more replicas than prompts: this one only receives
+            return table, 0, {"gen": 0.0, "reward": 0.0}
         t0 = time.perf_counter()
-        out = self.engine.generate(prompts, r.n, d.max_response_length, temperature=r.temperature, top_p=r.top_p,
-                                   seed=self._seed(step, k), stop_token_ids=self.tokenizer.eos_token_ids)
+        out = self.engine.generate(prompts, r.n, R, temperature=r.temperature, top_p=r.top_p, seed=seed,
+                                   stop_token_ids=self.tokenizer.eos_token_ids, prompt_offset=offset)
         t1 = time.perf_counter()
         score, acc, comps = self._score(out, rows)
         score = torch.tensor(score, dtype=torch.float64)
@@ -245,42 +265,81 @@ class DAPOTrainer:
         final = score.clone()
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
-            final += dk.overlong_penalty(lengths, d.max_response_length, ob.len, ob.penalty_factor).double()
-        t2 = time.perf_counter()
+            final += dk.overlong_penalty(lengths, R, ob.len, ob.penalty_factor).double()
         metric = self._filter_metric(score, acc, final, comps)
+        table[:, :R] = self.tokenizer.pad_token_id
+        valid = torch.arange(R)[None, :] < lengths[:, None]
+        table[:, :R][valid] = out.response_ids.double()
+        table[:, R:2 * R][valid] = out.log_probs.double()
+        stop = torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.float64)
+        table[:, 2 * R:] = torch.stack([lengths.double(), stop, score, acc, final, metric], dim=1)
+        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}
+
+    def _gather_shares(self, table: torch.Tensor, rows_per_replica: List[int]) -> torch.Tensor:
+        """Every replica's share table, in replica order (one all-gather over the DP group, on its
+        device); shares padded to the longest."""
+        if self.dp == 1:
+            return table
+        buf = table.new_zeros(max(rows_per_replica), table.shape[1], device=self.comm_device)
+        buf[:table.shape[0]] = table.to(self.comm_device)
+        parts = [torch.empty_like(buf) for _ in range(self.dp)]
+        dist.all_gather(parts, buf, group=self.dp_group)
+        return torch.cat([p[:m] for p, m in zip(parts, rows_per_replica)]).cpu()
+
+    def generation_batch(self, step: int, k: int) -> dict:
+        """Generate, reward and filter one generation batch; rows padded to fixed widths.
+
+        Each data-parallel replica (a TP group) samples and rewards a contiguous share of the
+        prompts, whole groups, with the random streams the whole batch would draw
+        (``prompt_offset``); the shares are all-gathered, so every rank filters the same batch.
+        """
+        d, r = self.cfg.data, self.rollout_cfg
+        idx = self.cursor.next_batch()
+        rows = [self.train_rows[i] for i in idx]
+        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
+        B, n, R = len(prompts), r.n, d.max_response_length
+        bounds = [B * q // self.dp for q in range(self.dp + 1)]
+        q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
+        lo, hi = bounds[q], bounds[q + 1]
+        share, local_tokens, timing = self._sample_share(prompts[lo:hi], rows[lo:hi], lo, self._seed(step, k))
+        t0 = time.perf_counter()
+        table = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(self.dp)])
+        timing["gen"] += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        lengths, stop, score, acc, final, metric = table[:, 2 * R:].unbind(1)
+        lengths = lengths.long()
         algo = self.cfg.algorithm
-        adv = dk.group_filter(final, group_size=r.n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
+        adv = dk.group_filter(final, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
-            keep = dk.group_filter(metric, group_size=r.n).check().keep
+            keep = dk.group_filter(metric, group_size=n).check().keep
         else:
             keep = torch.ones(len(final), dtype=torch.bool)
-        N, P, R = out.num_responses, d.max_prompt_length, d.max_response_length
+        group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
+        N, P = B * n, d.max_prompt_length
         prompt_ids = torch.full((N, P), self.tokenizer.pad_token_id, dtype=torch.int64)
         prompt_len = torch.zeros(N, dtype=torch.int64)
-        response_ids = torch.full((N, R), self.tokenizer.pad_token_id, dtype=torch.int64)
         for k_ in range(N):
-            p = prompts[out.group_index[k_].item()]
+            p = prompts[k_ // n]
             prompt_ids[k_, :len(p)] = torch.tensor(p)
             prompt_len[k_] = len(p)
-            s, e = out.cu_seqlens[k_].item(), out.cu_seqlens[k_ + 1].item()
-            response_ids[k_, :e - s] = out.response_ids[s:e]
-        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": response_ids,
-                   "response_len": lengths.long(), "advantages": adv.advantages.float(), "score": score,
-                   "acc": acc, "reward": final,
-                   "truncated": torch.tensor([f != "stop" for f in out.finish_reasons])}
-        return {"tensors": tensors, "group_index": out.group_index, "keep": keep, "metric": metric,
-                "timing": {"gen": t1 - t0, "reward": t2 - t1, "filter": time.perf_counter() - t2},
-                "tokens": int(prompt_len.sum() + lengths.sum())}
+        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": table[:, :R].long(),
+                   "response_len": lengths, "rollout_log_prob": table[:, R:2 * R].float(),
+                   "advantages": adv.advantages.float(), "score": score.clone(), "acc": acc.clone(),
+                   "reward": final.clone(), "truncated": stop == 0}
+        timing["filter"] = time.perf_counter() - t2
+        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric.clone(),
+                "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()), "local_tokens": local_tokens}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
-        timing, tokens, k = defaultdict(float), 0, 0
+        timing, tokens, local_tokens, k = defaultdict(float), 0, 0, 0
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
             for key, v in gb["timing"].items():
                 timing[key] += v
             tokens += gb["tokens"]
+            local_tokens += gb["local_tokens"]
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
@@ -295,6 +354,8 @@ class DAPOTrainer:
             "train/carried_in_groups": am[pre + "groups_carried_in"],
             "train/carried_over_groups": am[pre + "groups_carried_over"],
             "train/gen_tokens": tokens,
+            # Response tokens this rank's replica sampled: about 1 / DP of the batch's.
+            "train/local_response_tokens": local_tokens,
         }
         metrics.update({f"timing_s/{k_}": v for k_, v in timing.items()})
         return batch, metrics
@@ -319,7 +380,7 @@ class DAPOTrainer:
                 micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu)
                 if a.strategy == "fsdp2" and self.dp > 1:
                     # FSDP reduce-scatters in every backward: every rank runs as many.
-                    cnt = torch.tensor([len(micro)], device=self.device)
+                    cnt = torch.tensor([len(micro)], device=self.comm_device)
                     dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.dp_group)
                     micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu, min_num_micro_batches=int(cnt))
                 micro = [[mine[i] for i in mb] for mb in micro]
@@ -385,40 +446,48 @@ class DAPOTrainer:
         acc = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.device)
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
-        weight = self.model.lm_head.weight
         seq_mode = a.loss_agg_mode.startswith("seq")
-        dp_scale = self.dp if (a.strategy == "fsdp2" and self.dp > 1) else 1
+        dp_scale = float(self.dp)  # DDP and FSDP average gradients; the loss is a global sum
+        forward = self.ddp or self.model
         for epoch in range(a.ppo_epochs):
             for i, (p, mbs) in enumerate(zip(plan, packed)):
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-                for mb in mbs:
-                    hidden = self.model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-                    # On-policy (old_log_prob None): the op takes the old log-probs from its own
-                    # forward (ratio exactly 1), so no separate log-prob pass runs.
-                    loss, m = dk.fused_linear_policy_loss(
-                        hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
-                        mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
-                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                        loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
-                        cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
-                        loss_scale_factor=self.cfg.data.max_response_length
-                        if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
-                        entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
-                        kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
-                        process_group=self.model.tp_group, calculate_entropy=True)
-                    (loss * dp_scale).backward()
-                    ntok = mb["mask"].sum().double()
-                    has_kl = has_kl or "kl_loss" in m
-                    mini_loss += loss.detach().double()
-                    acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
-                                        *(m[k].double() * ntok for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
-                                        (m["entropy"].double() * mb["mask"]).sum(), ntok])
-                # A rank whose loss is not finite makes its gradient NaN, so that the gradient
-                # reduction (or the norm's all-reduce) hands every rank a non-finite norm and all of
-                # them skip the update together.
+                for j, mb in enumerate(mbs):
+                    # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
+                    sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
+                    with sync:
+                        hidden = forward(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+                        # Read after the forward: FSDP2 swaps the root's gathered weights in there
+                        # (before it, lm_head.weight is this rank's DTensor shard).
+                        weight = self.model.lm_head.weight
+                        # On-policy (old_log_prob None): the op takes the old log-probs from its own
+                        # forward (ratio exactly 1), so no separate log-prob pass runs.
+                        loss, m = dk.fused_linear_policy_loss(
+                            hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
+                            mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
+                            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                            loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
+                            cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
+                            loss_scale_factor=self.cfg.data.max_response_length
+                            if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
+                            entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
+                            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
+                            process_group=self.model.tp_group, calculate_entropy=True)
+                        mini_loss += loss.detach().double()
+                        # A rank whose loss so far is not finite backpropagates NaN: DDP's reduction
+                        # (in the last micro-batch's backward), FSDP's reduce-scatter or the norm's
+                        # all-reduce then hands every rank a non-finite norm, and all of them skip
+                        # the update together.
+                        scale = torch.where(torch.isfinite(mini_loss), dp_scale, float("nan")).to(loss.dtype)
+                        (loss * scale).backward()
+                        ntok = mb["mask"].sum().double()
+                        has_kl = has_kl or "kl_loss" in m
+                        acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
+                                            *(m[k].double() * ntok
+                                              for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
+                                            (m["entropy"].double() * mb["mask"]).sum(), ntok])
                 self._poison_grads_unless_finite(mini_loss)
-                self._reduce_grads()
                 loss_val, norm = torch.stack([mini_loss, self._clip_grads().double()]).tolist()
                 loss_sum, norm_sum = loss_sum + loss_val, norm_sum + norm
                 if math.isfinite(norm) and math.isfinite(loss_val):
@@ -431,7 +500,8 @@ class DAPOTrainer:
             self.scheduler.step()
         timing["timing_s/update_actor"] = time.perf_counter() - t0
         if self.dp > 1:  # the norm is identical on every rank: only the per-rank sums are summed
-            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=self.device)])
+            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=acc.device)])
+            acc = acc.to(self.comm_device)
             dist.all_reduce(acc, group=self.dp_group)
             *sums, loss_sum = acc.tolist()
         else:
@@ -457,36 +527,37 @@ class DAPOTrainer:
             if p.grad is not None:
                 p.grad.add_(poison)  # a 0-dim tensor operand: a foreach op would read it on the CPU
 
-    def _reduce_grads(self) -> None:
-        """Sum gradients over data-parallel ranks (FSDP does it itself)."""
-        if self.dp == 1 or self.actor_cfg.strategy == "fsdp2":
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _clip_grads(self) -> torch.Tensor:
         """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return the norm
         (a 0-dim tensor on the device: nothing is read here)."""
+        from torch.distributed.tensor import DTensor
+
         clip = self.actor_cfg.grad_clip
         if self.tp == 1:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            # FSDP2: the norm of DTensor gradients is a (replicated) DTensor; read as a plain tensor.
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+        # Squared norms of this rank's gradients: [0] of the parameters sharded over the TP group,
+        # [1] of those replicated over it. Under FSDP2 the gradients are DTensors sharded over the DP
+        # ranks too: their local shards are summed over the DP group first.
         sharded = tp_shard_dims(self.model)
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
-        grads = []
+        sq = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
+        grads, fsdp = [], False
         for name, p in self.model.named_parameters():
             if p.grad is not None:
-                sq[0 if name in sharded else 1] += p.grad.double().pow(2).sum()
-                grads.append(p.grad)
+                g = p.grad
+                if isinstance(g, DTensor):
+                    g, fsdp = g.to_local(), True
+                sq[0 if name in sharded else 1] += g.double().pow(2).sum()
+                grads.append(g)
+        if fsdp:
+            dist.all_reduce(sq, group=self.dp_group)
         shard_sq = sq[:1].clone()
         dist.all_reduce(shard_sq, group=self.tp_group)
         norm = (shard_sq[0] + sq[1]).sqrt()
         coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()  # as clip_grad_norm_, on the device
-        for g in grads:
+        for g in grads:  # local shards: scaling them scales the DTensors
             g.mul_(coef)
         return norm
 
@@ -513,10 +584,11 @@ class DAPOTrainer:
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
         if self.world > 1:
+            sums = sums.to(self.comm_device)
             dist.all_reduce(sums)
-        n = max(float(sums[3]), 1.0)
-        return {"val/score": float(sums[0]) / n, "val/acc": float(sums[1]) / n,
-                "val/response_length": float(sums[2]) / n}
+        score, acc, length, n = sums.tolist()
+        n = max(n, 1.0)
+        return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> Dict[str, float]:

@@ -45,6 +45,9 @@ class DataConfig:
     prompt_key: str = "prompt"
     # "{prompt}" is replaced by the row's prompt text; the default leaves it unchanged.
     prompt_template: str = "{prompt}"
+    # Render prompts with the model's chat template (tokenizer_config.json's chat_template)
+    # when it has one; message-list prompts are joined as text without one.
+    apply_chat_template: bool = True
     max_prompt_length: int = 512
     max_response_length: int = 512
     # Prompts per train batch (after filtering) and per generation batch.

@@ -89,6 +89,8 @@ class DAPOTrainer:
         self._setup_parallel()
 
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
+        # Prompts rendered with the model's chat template hold their special tokens already.
+        self._chat = self.tokenizer.templated and cfg.data.apply_chat_template
         d = cfg.data
         if not d.train_files:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
@@ -178,8 +180,9 @@ class DAPOTrainer:
         cache = {} if cache is None else cache
         for i in rows_idx:
             if i not in cache:
-                text = data_mod.apply_template(rows[i]["prompt"], d.prompt_template)
-                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation)
+                text = self.tokenizer.prompt_text(rows[i]["prompt"], d.prompt_template, d.apply_chat_template)
+                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation,
+                                                  add_special_tokens=not self._chat)
         return [cache[i] for i in rows_idx]
 
     def _score(self, out, rows: List[dict]):

@@ -38,12 +38,13 @@ from dapo_kernels.validation import to_device_checked
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import rewards
+from . import dialogue, envs, rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
 from .parallel import apply_fsdp, balanced_dp_split, full_state_dict, make_mesh, parallelize, tp_shard_dims
 from .rollout import make_rollout
+from .rollout.multiturn import multi_turn_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics of the update that are per-token fractions, averaged over response tokens.
@@ -102,6 +103,14 @@ class DAPOTrainer:
         self.cursor = data_mod.BatchCursor(len(self.train_rows), cfg.gen_batch_size, seed=t.seed, shuffle=d.shuffle)
         self.reward_fn = (rewards.load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
                           if cfg.custom_reward_function.path else rewards.default_compute_score)
+        # Multi-turn: an environment plays the user / tool side (dapo_trainer.envs, rollout/multiturn.py).
+        ec = cfg.environment
+        self.env = envs.load_environment(ec.path, ec.name) if ec.path else None
+        self.scorers = {}
+        if self.env is not None and cfg.reward_model.dialogue.scorers:
+            from .scorers import build_scorers
+
+            self.scorers = build_scorers(cfg.reward_model.dialogue)
 
         self.resume_dir = self._find_resume_dir()
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
@@ -185,8 +194,29 @@ class DAPOTrainer:
                                                   add_special_tokens=not self._chat)
         return [cache[i] for i in rows_idx]
 
+    def _rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,
+                 temperature: float, top_p: float, seed: int):
+        """``(out, prompt ids per row)``: one engine call, or a multi-turn rollout with the environment."""
+        d = self.cfg.data
+        if self.env is None:
+            prompts = self._prompt_ids(idx, all_rows, cache)
+            return self.engine.generate(prompts, n, d.max_response_length, temperature=temperature, top_p=top_p,
+                                        seed=seed, stop_token_ids=self.tokenizer.eos_token_ids), prompts
+        ec = self.cfg.environment
+        out = multi_turn_rollout(self.engine, self.tokenizer, self.env, rows, n, max_prompt_length=d.max_prompt_length,
+                                 max_response_length=d.max_response_length, max_turns=ec.max_turns,
+                                 max_turn_tokens=ec.max_turn_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 use_chat_template=d.apply_chat_template, truncation=d.truncation,
+                                 on_error=ec.on_error)
+        return out, out.prompt_ids
+
     def _score(self, out, rows: List[dict]):
         """Rewards of every response: (score, acc, components) lists, response texts."""
+        if self.env is not None:
+            return dialogue.score_dialogues(
+                out, rows, reward_fn=self.reward_fn if self.cfg.custom_reward_function.path else None,
+                weights=self.cfg.reward_model.dialogue.weights, scorers=self.scorers,
+                max_response_length=self.cfg.data.max_response_length)
         stops = set(self.tokenizer.eos_token_ids)
         scores, accs, comps = [], [], []
         max_len = self.cfg.data.max_response_length
@@ -236,10 +266,9 @@ class DAPOTrainer:
         d, r = self.cfg.data, self.rollout_cfg
         idx = self.cursor.next_batch()
         rows = [self.train_rows[i] for i in idx]
-        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
         t0 = time.perf_counter()
-        out = self.engine.generate(prompts, r.n, d.max_response_length, temperature=r.temperature, top_p=r.top_p,
-                                   seed=self._seed(step, k), stop_token_ids=self.tokenizer.eos_token_ids)
+        out, prompts = self._rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
+                                     self._seed(step, k))
         t1 = time.perf_counter()
         score, acc, comps = self._score(out, rows)
         score = torch.tensor(score, dtype=torch.float64)
@@ -250,44 +279,58 @@ class DAPOTrainer:
         if ob.enable:
             final += dk.overlong_penalty(lengths, d.max_response_length, ob.len, ob.penalty_factor).double()
         t2 = time.perf_counter()
-        metric = self._filter_metric(score, acc, final, comps)
         algo = self.cfg.algorithm
+        metric = dialogue.binarize(self._filter_metric(score, acc, final, comps), algo.filter_groups.reward_threshold)
         adv = dk.group_filter(final, group_size=r.n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
             keep = dk.group_filter(metric, group_size=r.n).check().keep
         else:
             keep = torch.ones(len(final), dtype=torch.bool)
+        errors = getattr(out, "errors", {})
+        if errors:  # environment.on_error=drop: a group with a failed conversation is never trained on
+            bad = torch.zeros(len(prompts), dtype=torch.bool)
+            bad[out.group_index[list(errors)]] = True
+            keep &= ~bad[out.group_index]
         N, P, R = out.num_responses, d.max_prompt_length, d.max_response_length
         prompt_ids = torch.full((N, P), self.tokenizer.pad_token_id, dtype=torch.int64)
         prompt_len = torch.zeros(N, dtype=torch.int64)
         response_ids = torch.full((N, R), self.tokenizer.pad_token_id, dtype=torch.int64)
+        # Tokens the model sampled (multi-turn: environment tokens are context, never trained on).
+        response_mask = torch.zeros((N, R), dtype=torch.bool)
+        sampled = getattr(out, "response_mask", None)
         for k_ in range(N):
             p = prompts[out.group_index[k_].item()]
             prompt_ids[k_, :len(p)] = torch.tensor(p)
             prompt_len[k_] = len(p)
             s, e = out.cu_seqlens[k_].item(), out.cu_seqlens[k_ + 1].item()
             response_ids[k_, :e - s] = out.response_ids[s:e]
+            response_mask[k_, :e - s] = True if sampled is None else sampled[s:e]
         tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": response_ids,
                    "response_len": lengths.long(), "advantages": adv.advantages.float(), "score": score,
-                   "acc": acc, "reward": final,
+                   "acc": acc, "reward": final, "response_mask": response_mask,
                    "truncated": torch.tensor([f != "stop" for f in out.finish_reasons])}
         return {"tensors": tensors, "group_index": out.group_index, "keep": keep, "metric": metric,
+                "turn_stats": out.turn_stats() if self.env is not None else {},
                 "timing": {"gen": t1 - t0, "reward": t2 - t1, "filter": time.perf_counter() - t2},
                 "tokens": int(prompt_len.sum() + lengths.sum())}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
         timing, tokens, k = defaultdict(float), 0, 0
+        turn_stats = defaultdict(float)
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
+            for key, v in gb["turn_stats"].items():
+                turn_stats[key] += v
             for key, v in gb["timing"].items():
                 timing[key] += v
             tokens += gb["tokens"]
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
-        batch = self.accumulator.take()
+        fg = self.cfg.algorithm.filter_groups
+        batch = self.accumulator.take(fg.prefer, "response_len", seed=self._seed(step, -2))
         am = self.accumulator.last_metrics
         pre = "dynamic_sampling/"
         metrics = {
@@ -300,6 +343,9 @@ class DAPOTrainer:
             "train/gen_tokens": tokens,
         }
         metrics.update({f"timing_s/{k_}": v for k_, v in timing.items()})
+        # Per-turn statistics of the generated dialogues (means over the generation batches).
+        metrics.update({key: v / k if not key.endswith("tokens") and key != "dialog/env_errors" else v
+                        for key, v in turn_stats.items()})
         return batch, metrics
 
     # ------------------------------------------------------------------ update
@@ -307,7 +353,7 @@ class DAPOTrainer:
         """Per mini-batch: this rank's micro-batches (row indices) and the global counts."""
         a, n = self.actor_cfg, self.rollout_cfg.n
         seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
-        resp = batch["response_len"].tolist()
+        resp = batch["response_mask"].sum(1).tolist()  # trained-on tokens: multi-turn masks the environment's
         rows_per_mini = a.ppo_mini_batch_size * n
         plan = []
         for start in range(0, len(seqlens), rows_per_mini):
@@ -343,7 +389,7 @@ class DAPOTrainer:
             # Position t predicts token t + 1: the response tokens are predicted from
             # positions pl - 1 .. pl + rl - 2.
             m = torch.zeros(pl + rl, dtype=torch.bool)
-            m[pl - 1:pl + rl - 1] = True
+            m[pl - 1:pl + rl - 1] = batch["response_mask"][i, :rl]
             mask.append(m)
             adv.append(torch.full((pl + rl,), float(batch["advantages"][i])))
         input_ids = torch.cat(ids)
@@ -509,10 +555,8 @@ class DAPOTrainer:
         for start in range(0, len(mine), d.val_batch_size):
             idx = mine[start:start + d.val_batch_size]
             rows = [self.val_rows[i] for i in idx]
-            prompts = self._prompt_ids(idx, self.val_rows, None)
-            out = self.engine.generate(prompts, vk.n, d.max_response_length, temperature=vk.temperature,
-                                       top_p=vk.top_p, seed=self._seed(self.global_step, -1),
-                                       stop_token_ids=self.tokenizer.eos_token_ids)
+            out, _ = self._rollout(idx, rows, self.val_rows, None, vk.n, vk.temperature, vk.top_p,
+                                   self._seed(self.global_step, -1))
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
         if self.world > 1:
@@ -591,4 +635,4 @@ def batch_metrics(batch, max_response_length: int) -> Dict[str, float]:
             "response_length/min": float(rl.min()),
             "response_length/clip_ratio": float(batch["truncated"].double().mean()),
             "prompt_length/mean": float(batch["prompt_len"].double().mean()),
-            "train/num_tokens": float(batch["response_len"].sum())}
+            "train/num_tokens": float(batch["response_mask"].sum())}

@@ -7,7 +7,9 @@ An environment is any object with two methods::
 
 ``row`` is a data row (:func:`dapo_trainer.data.load_rows`: ``prompt``, ``ground_truth``,
 ``data_source``, ``extra_info``). ``history`` is the conversation so far as
-``{"role", "content"}`` messages, ending with the assistant's latest turn. ``step`` returns
+``{"role", "content"}`` messages, ending with the assistant's latest turn (a ``step`` that
+takes a second parameter, ``step(history, row)``, also gets the conversation's data row, for
+facts the policy must not see). ``step`` returns
 the next user / tool message (a message dict, or a str meaning a user message), or None
 when the dialogue is over, and a mapping of named reward components (floats) for that
 turn; a conversation's components are the per-name sums over its steps. ``step`` is called

@@ -158,6 +158,7 @@ def multi_turn_rollout(engine, tokenizer, env, rows: Sequence[dict], n: int, *, 
     if on_error not in ("raise", "drop"):
         raise ValueError(f"on_error must be 'raise' or 'drop', got {on_error!r}")
     chat = tokenizer.templated and use_chat_template
+    step = _stepper(env)
     stops = tuple(tokenizer.eos_token_ids)
     limit = getattr(engine, "max_model_len", None) or max_prompt_length + max_response_length
     convs: List[Conversation] = []
@@ -222,7 +223,7 @@ def multi_turn_rollout(engine, tokenizer, env, rows: Sequence[dict], n: int, *, 
         for k in live:
             c = convs[k]
             try:
-                res = env.step([dict(m) for m in c.messages])
+                res = step([dict(m) for m in c.messages], rows[k // n])
             except Exception as e:
                 _fail(c, env, k, n, f"step() raised {e!r}")
                 continue
@@ -261,6 +262,18 @@ def multi_turn_rollout(engine, tokenizer, env, rows: Sequence[dict], n: int, *, 
         raise EnvironmentError_(f"{len(errs)} of {len(convs)} conversations failed (the others completed; "
                                 f"their samples are in this error's .output): {shown}", output=result)
     return result
+
+
+def _stepper(env):
+    """``env.step`` as ``f(history, row)``: environments whose ``step`` takes a second parameter get
+    the conversation's data row (hidden facts such as the answer), the others the history only."""
+    import inspect
+
+    try:
+        takes_row = len(inspect.signature(env.step).parameters) >= 2
+    except (TypeError, ValueError):
+        takes_row = False
+    return env.step if takes_row else (lambda history, row: env.step(history))
 
 
 def _env_text(tokenizer, conv: Conversation, msg: Dict[str, str]) -> str:

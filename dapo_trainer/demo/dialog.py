@@ -29,14 +29,16 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import List
 
 import torch
 
+from .assets import DemoConfig
+
 __all__ = ["DialogDemoConfig", "OrderDeskEnv", "build_dialog_demo", "TEMPLATE", "STATUSES"]
 
-STATUSES = ("ok", "late", "lost", "held")
+STATUSES = ("ok", "late", "lost", "held", "sent", "due")
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz :?"
 SPECIALS = ["<pad>", "<eos>", "<s>", "<u>", "<a>"]
 # Role markers <s>/<u>/<a>; an assistant turn ends with the eos token the sampler stops on.
@@ -44,35 +46,30 @@ TEMPLATE = ("{% for m in messages %}{{ '<' + m['role'][0] + '>' + m['content'] }
             "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<a>' }}{% endif %}")
 REQUEST, ASK, DATA_SOURCE = "status?", "id?", "order_desk"
-ASSETS_VERSION = 1
+ASSETS_VERSION = 2
 
 
 @dataclass(frozen=True)
-class DialogDemoConfig:
-    seed: int = 0
-    rows: int = 3  # orders per table
-    num_train: int = 20000
+class DialogDemoConfig(DemoConfig):
+    """The single-turn demo's model and warm-start settings, with the desk's own (``task`` and
+    ``warm_start_descending`` are unused here)."""
+
+    rows: int = 4  # orders per table (<= len(STATUSES))
     num_val: int = 100
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 2
-    num_heads: int = 2
-    head_dim: int = 64
-    max_position_embeddings: int = 64
     warm_start_steps: int = 400
-    warm_start_batch_size: int = 64
-    warm_start_lr: float = 3e-3
+    # Fraction of the warm start's dialogues that guess at once instead of asking for the id.
     guess_fraction: float = 0.6
 
     def key(self) -> str:
-        blob = json.dumps({"version": ASSETS_VERSION, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"dialog_version": ASSETS_VERSION, **self.to_dict()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def sample_row(rng: random.Random, rows: int) -> dict:
     """One desk: a table of ``rows`` distinct ids with statuses, the user's order among them."""
     ids = rng.sample([f"{a}{d}" for a in "abcdefgh" for d in "0123456789"], rows)
-    table = {i: rng.choice(STATUSES) for i in ids}
+    # Distinct statuses: a guess is right one time in `rows`.
+    table = dict(zip(ids, rng.sample(STATUSES, rows)))
     mine = rng.choice(ids)
     text = " ".join(f"{i}:{s}" for i, s in table.items())
     return {"prompt": [{"role": "system", "content": text}, {"role": "user", "content": REQUEST}],
@@ -196,7 +193,7 @@ def build_dialog_demo(cfg: DialogDemoConfig, cache_dir: str = ".cache/dapo_demo_
         save_hf_model(model, model_dir)
         _tokenizer(model_dir)  # save_hf_model leaves the tokenizer files alone; rewritten for certainty
         with open(os.path.join(tmp, "warm_start.json"), "w") as f:
-            json.dump({"settings": asdict(cfg), "losses": losses, "seconds": round(time.time() - t0, 1)}, f)
+            json.dump({"settings": cfg.to_dict(), "losses": losses, "seconds": round(time.time() - t0, 1)}, f)
         if os.path.exists(root):
             shutil.rmtree(root)
         os.replace(tmp, root)

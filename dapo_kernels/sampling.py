@@ -20,6 +20,8 @@ from ._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_int, check_
 
 GROUP_INDEX_KEY = "group_index"
 _PREFIX = "dynamic_sampling/"
+# Which buffered groups fill a train batch first (DynamicBatchAccumulator.take).
+PREFER_MODES = ("first", "longest", "random")
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -197,19 +199,30 @@ class DynamicBatchAccumulator:
             f"prompt (rollout.n), or train on data closer to the model's level."
         )
 
-    def take(self) -> Dict[str, torch.Tensor]:
+    def take(self, prefer: str = "first", key: Optional[str] = None, seed: int = 0) -> Dict[str, torch.Tensor]:
         """Exactly ``train_batch_size`` whole groups: every key of ``batch_tensors`` with
         ``train_batch_size * n_per_prompt`` rows, plus ``'group_index'`` (int64, groups
         numbered ``0..train_batch_size-1``, rows of a group contiguous).
 
-        Surplus groups stay buffered for the next step (``carry_over=True``) or are dropped.
-        Raises RuntimeError when not :attr:`ready`.
+        ``prefer`` picks the groups when more are buffered than the batch needs: "first"
+        (arrival order), "longest" (largest mean of ``batch_tensors[key]`` over the group's
+        rows first, ties in arrival order) or "random" (a permutation drawn from ``seed``).
+        Surplus groups stay buffered, in arrival order, for the next step (``carry_over=True``)
+        or are dropped. Raises RuntimeError when not :attr:`ready`.
         """
+        if prefer not in PREFER_MODES:
+            raise ValueError(f"prefer must be one of {PREFER_MODES}, got {prefer!r}")
+        if prefer == "longest" and key not in (self._keys or ()):
+            raise ValueError(f"prefer='longest' needs key naming one of the batch tensors {list(self._keys or ())}, "
+                             f"got {key!r}")
+        check_int("seed", seed)
         if not self.ready:
             raise RuntimeError(f"take() needs {self.train_batch_size} kept groups, only "
                                f"{self.num_buffered_groups} are buffered; add more batches while not acc.ready")
         rows = self.train_batch_size * self.n_per_prompt
         merged = {k: torch.cat([c[k] for c in self._chunks]) for k in self._keys}
+        if prefer != "first" and self.num_buffered_groups > self.train_batch_size:
+            merged = self._preferred_first(merged, prefer, key, seed)
         out = {k: v[:rows] for k, v in merged.items()}
         dev = next(iter(out.values())).device
         out[GROUP_INDEX_KEY] = torch.arange(self.train_batch_size, device=dev).repeat_interleave(self.n_per_prompt)
@@ -221,3 +234,20 @@ class DynamicBatchAccumulator:
                              _PREFIX + "groups_discarded": surplus - carried}
         self._reset_step(carried_in=carried)
         return out
+
+    def _preferred_first(self, merged, prefer: str, key: Optional[str], seed: int):
+        """``merged`` with the preferred ``train_batch_size`` groups first, then the rest in arrival order."""
+        G, n = self.num_buffered_groups, self.n_per_prompt
+        dev = next(iter(merged.values())).device
+        if prefer == "longest":
+            per_group = merged[key].reshape(G, n, -1).double().mean(dim=(1, 2))
+            order = torch.argsort(-per_group, stable=True)
+        else:
+            order = torch.randperm(G, generator=torch.Generator().manual_seed(seed)).to(dev)
+        chosen = torch.zeros(G, dtype=torch.bool, device=dev)
+        chosen[order[:self.train_batch_size]] = True
+        # Chosen groups in preference order, then the others by a stable sort on "not chosen".
+        rest = torch.argsort(chosen.logical_not().to(torch.int8), stable=True)[self.train_batch_size:]
+        groups = torch.cat([order[:self.train_batch_size], rest])
+        idx = (groups[:, None] * n + torch.arange(n, device=dev)).reshape(-1)
+        return {k: v.index_select(0, idx) for k, v in merged.items()}

@@ -42,13 +42,14 @@ from dapo_kernels.validation import to_device_checked
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import rewards
+from . import dialogue, envs, rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
 from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh,
                        parallelize, tp_shard_dims)
 from .rollout import make_rollout
+from .rollout.multiturn import multi_turn_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics of the update that are per-token fractions, averaged over response tokens.
@@ -56,7 +57,7 @@ _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
 # The update's metric sums kept on the device, in this order (token-weighted ones times tokens).
 _DEVICE_SUMS = ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "tokens")
 # Per-response columns a rollout share carries after its padded response ids and log-probs.
-_SHARE_COLUMNS = ("response_len", "stopped", "score", "acc", "reward", "filter_metric")
+_SHARE_COLUMNS = ("prompt_len", "response_len", "stopped", "score", "acc", "reward", "filter_metric", "failed")
 logger = logging.getLogger(__name__)
 
 
@@ -96,6 +97,8 @@ class DAPOTrainer:
         self._setup_parallel()
 
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
+        # Prompts rendered with the model's chat template hold their special tokens already.
+        self._chat = self.tokenizer.templated and cfg.data.apply_chat_template
         d = cfg.data
         if not d.train_files:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
@@ -107,6 +110,14 @@ class DAPOTrainer:
         self.cursor = data_mod.BatchCursor(len(self.train_rows), cfg.gen_batch_size, seed=t.seed, shuffle=d.shuffle)
         self.reward_fn = (rewards.load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
                           if cfg.custom_reward_function.path else rewards.default_compute_score)
+        # Multi-turn: an environment plays the user / tool side (dapo_trainer.envs, rollout/multiturn.py).
+        ec = cfg.environment
+        self.env = envs.load_environment(ec.path, ec.name) if ec.path else None
+        self.scorers = {}
+        if self.env is not None and cfg.reward_model.dialogue.scorers:
+            from .scorers import build_scorers
+
+            self.scorers = build_scorers(cfg.reward_model.dialogue)
 
         self.resume_dir = self._find_resume_dir()
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
@@ -194,12 +205,36 @@ class DAPOTrainer:
         cache = {} if cache is None else cache
         for i in rows_idx:
             if i not in cache:
-                text = data_mod.apply_template(rows[i]["prompt"], d.prompt_template)
-                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation)
+                text = self.tokenizer.prompt_text(rows[i]["prompt"], d.prompt_template, d.apply_chat_template)
+                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation,
+                                                  add_special_tokens=not self._chat)
         return [cache[i] for i in rows_idx]
+
+    def _rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,
+                 temperature: float, top_p: float, seed: int, prompt_offset: int = 0):
+        """``(out, prompt ids per row)``: one engine call, or a multi-turn rollout with the environment.
+        ``prompt_offset``: index of the first row in the whole generation batch (single-turn streams)."""
+        d = self.cfg.data
+        if self.env is None:
+            prompts = self._prompt_ids(idx, all_rows, cache)
+            return self.engine.generate(prompts, n, d.max_response_length, temperature=temperature, top_p=top_p,
+                                        seed=seed, stop_token_ids=self.tokenizer.eos_token_ids,
+                                        prompt_offset=prompt_offset), prompts
+        ec = self.cfg.environment
+        out = multi_turn_rollout(self.engine, self.tokenizer, self.env, rows, n, max_prompt_length=d.max_prompt_length,
+                                 max_response_length=d.max_response_length, max_turns=ec.max_turns,
+                                 max_turn_tokens=ec.max_turn_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 use_chat_template=d.apply_chat_template, truncation=d.truncation,
+                                 on_error=ec.on_error)
+        return out, out.prompt_ids
 
     def _score(self, out, rows: List[dict]):
         """Rewards of every response: (score, acc, components) lists, response texts."""
+        if self.env is not None:
+            return dialogue.score_dialogues(
+                out, rows, reward_fn=self.reward_fn if self.cfg.custom_reward_function.path else None,
+                weights=self.cfg.reward_model.dialogue.weights, scorers=self.scorers,
+                max_response_length=self.cfg.data.max_response_length)
         stops = set(self.tokenizer.eos_token_ids)
         scores, accs, comps = [], [], []
         max_len = self.cfg.data.max_response_length
@@ -244,19 +279,20 @@ class DAPOTrainer:
     def _seed(self, step: int, k: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + k) % (2 ** 62)
 
-    def _sample_share(self, prompts: List[List[int]], rows: List[dict], offset: int, seed: int):
+    def _sample_share(self, idx: List[int], rows: List[dict], offset: int, seed: int):
         """Sample, reward and measure this data-parallel replica's share of a generation batch
-        (``prompts`` start at index ``offset`` of it). Returns ``(table, local_tokens, timing)``: one
-        float64 row per response, the columns of :data:`_SHARE_COLUMNS` (ids and log-probs padded
-        to ``data.max_response_length``)."""
+        (rows ``idx`` of the data, from index ``offset`` of the batch). Returns ``(table,
+        local_tokens, timing, turn_stats)``: one float64 row per response, prompt ids, response
+        ids, log-probs and sampled-token mask padded to ``data.max_prompt_length`` /
+        ``max_response_length``, then the columns of :data:`_SHARE_COLUMNS`."""
         d, r = self.cfg.data, self.rollout_cfg
-        R = d.max_response_length
-        table = torch.zeros(len(prompts) * r.n, 2 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
-        if not prompts:  # more replicas than prompts: this one only receives
-            return table, 0, {"gen": 0.0, "reward": 0.0}
+        R, P = d.max_response_length, d.max_prompt_length
+        table = torch.zeros(len(rows) * r.n, P + 3 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
+        if not rows:  # more replicas than prompts: this one only receives
+            return table, 0, {"gen": 0.0, "reward": 0.0}, {}
         t0 = time.perf_counter()
-        out = self.engine.generate(prompts, r.n, R, temperature=r.temperature, top_p=r.top_p, seed=seed,
-                                   stop_token_ids=self.tokenizer.eos_token_ids, prompt_offset=offset)
+        out, prompts = self._rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
+                                     seed, offset)
         t1 = time.perf_counter()
         score, acc, comps = self._score(out, rows)
         score = torch.tensor(score, dtype=torch.float64)
@@ -266,14 +302,27 @@ class DAPOTrainer:
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
             final += dk.overlong_penalty(lengths, R, ob.len, ob.penalty_factor).double()
-        metric = self._filter_metric(score, acc, final, comps)
-        table[:, :R] = self.tokenizer.pad_token_id
+        metric = dialogue.binarize(self._filter_metric(score, acc, final, comps),
+                                   self.cfg.algorithm.filter_groups.reward_threshold)
+        # environment.on_error=drop: a group with a failed conversation is never trained on.
+        failed = torch.zeros(len(final), dtype=torch.float64)
+        failed[list(getattr(out, "errors", {}))] = 1.0
+        pad = self.tokenizer.pad_token_id
+        table[:, :P + R] = pad
+        for k_, g in enumerate(out.group_index.tolist()):
+            p = prompts[g]
+            table[k_, :len(p)] = torch.tensor(p, dtype=torch.float64)
         valid = torch.arange(R)[None, :] < lengths[:, None]
-        table[:, :R][valid] = out.response_ids.double()
-        table[:, R:2 * R][valid] = out.log_probs.double()
+        table[:, P:P + R][valid] = out.response_ids.double()
+        table[:, P + R:P + 2 * R][valid] = out.log_probs.double()
+        # Tokens the model sampled (multi-turn: environment tokens are context, never trained on).
+        sampled = getattr(out, "response_mask", None)
+        table[:, P + 2 * R:P + 3 * R][valid] = 1.0 if sampled is None else sampled.double()
         stop = torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.float64)
-        table[:, 2 * R:] = torch.stack([lengths.double(), stop, score, acc, final, metric], dim=1)
-        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}
+        prompt_len = torch.tensor([len(prompts[g]) for g in out.group_index.tolist()], dtype=torch.float64)
+        table[:, P + 3 * R:] = torch.stack([prompt_len, lengths.double(), stop, score, acc, final, metric, failed], 1)
+        turn_stats = out.turn_stats() if self.env is not None else {}
+        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}, turn_stats
 
     def _gather_shares(self, table: torch.Tensor, rows_per_replica: List[int]) -> torch.Tensor:
         """Every replica's share table, in replica order (one all-gather over the DP group, on its
@@ -292,22 +341,24 @@ class DAPOTrainer:
         Each data-parallel replica (a TP group) samples and rewards a contiguous share of the
         prompts, whole groups, with the random streams the whole batch would draw
         (``prompt_offset``); the shares are all-gathered, so every rank filters the same batch.
+        Multi-turn rollouts are split the same way, but their later turns draw streams keyed by
+        the replica's own engine calls: with an environment, 1 and 2 replicas sample differently.
+        ``turn_stats`` are this replica's.
         """
         d, r = self.cfg.data, self.rollout_cfg
         idx = self.cursor.next_batch()
-        rows = [self.train_rows[i] for i in idx]
-        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
-        B, n, R = len(prompts), r.n, d.max_response_length
+        B, n, R, P = len(idx), r.n, d.max_response_length, d.max_prompt_length
         bounds = [B * q // self.dp for q in range(self.dp + 1)]
         q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
         lo, hi = bounds[q], bounds[q + 1]
-        share, local_tokens, timing = self._sample_share(prompts[lo:hi], rows[lo:hi], lo, self._seed(step, k))
+        share, local_tokens, timing, turn_stats = self._sample_share(
+            idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self._seed(step, k))
         t0 = time.perf_counter()
         table = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(self.dp)])
         timing["gen"] += time.perf_counter() - t0
         t2 = time.perf_counter()
-        lengths, stop, score, acc, final, metric = table[:, 2 * R:].unbind(1)
-        lengths = lengths.long()
+        prompt_len, lengths, stop, score, acc, final, metric, failed = table[:, P + 3 * R:].unbind(1)
+        prompt_len, lengths = prompt_len.long(), lengths.long()
         algo = self.cfg.algorithm
         adv = dk.group_filter(final, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
@@ -315,27 +366,27 @@ class DAPOTrainer:
         else:
             keep = torch.ones(len(final), dtype=torch.bool)
         group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
-        N, P = B * n, d.max_prompt_length
-        prompt_ids = torch.full((N, P), self.tokenizer.pad_token_id, dtype=torch.int64)
-        prompt_len = torch.zeros(N, dtype=torch.int64)
-        for k_ in range(N):
-            p = prompts[k_ // n]
-            prompt_ids[k_, :len(p)] = torch.tensor(p)
-            prompt_len[k_] = len(p)
-        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": table[:, :R].long(),
-                   "response_len": lengths, "rollout_log_prob": table[:, R:2 * R].float(),
+        keep &= ~(failed.view(B, n).any(1).repeat_interleave(n) > 0)
+        tensors = {"prompt_ids": table[:, :P].long(), "prompt_len": prompt_len,
+                   "response_ids": table[:, P:P + R].long(), "response_len": lengths,
+                   "rollout_log_prob": table[:, P + R:P + 2 * R].float(),
+                   "response_mask": table[:, P + 2 * R:P + 3 * R] > 0,
                    "advantages": adv.advantages.float(), "score": score.clone(), "acc": acc.clone(),
                    "reward": final.clone(), "truncated": stop == 0}
         timing["filter"] = time.perf_counter() - t2
         return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric.clone(),
-                "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()), "local_tokens": local_tokens}
+                "turn_stats": turn_stats, "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()),
+                "local_tokens": local_tokens}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
         timing, tokens, local_tokens, k = defaultdict(float), 0, 0, 0
+        turn_stats = defaultdict(float)
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
+            for key, v in gb["turn_stats"].items():
+                turn_stats[key] += v
             for key, v in gb["timing"].items():
                 timing[key] += v
             tokens += gb["tokens"]
@@ -343,7 +394,8 @@ class DAPOTrainer:
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
-        batch = self.accumulator.take()
+        fg = self.cfg.algorithm.filter_groups
+        batch = self.accumulator.take(fg.prefer, "response_len", seed=self._seed(step, -2))
         am = self.accumulator.last_metrics
         pre = "dynamic_sampling/"
         metrics = {
@@ -358,6 +410,9 @@ class DAPOTrainer:
             "train/local_response_tokens": local_tokens,
         }
         metrics.update({f"timing_s/{k_}": v for k_, v in timing.items()})
+        # Per-turn statistics of the generated dialogues (means over the generation batches).
+        metrics.update({key: v / k if not key.endswith("tokens") and key != "dialog/env_errors" else v
+                        for key, v in turn_stats.items()})
         return batch, metrics
 
     # ------------------------------------------------------------------ update
@@ -365,7 +420,7 @@ class DAPOTrainer:
         """Per mini-batch: this rank's micro-batches (row indices) and the global counts."""
         a, n = self.actor_cfg, self.rollout_cfg.n
         seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
-        resp = batch["response_len"].tolist()
+        resp = batch["response_mask"].sum(1).tolist()  # trained-on tokens: multi-turn masks the environment's
         rows_per_mini = a.ppo_mini_batch_size * n
         plan = []
         for start in range(0, len(seqlens), rows_per_mini):
@@ -401,7 +456,7 @@ class DAPOTrainer:
             # Position t predicts token t + 1: the response tokens are predicted from
             # positions pl - 1 .. pl + rl - 2.
             m = torch.zeros(pl + rl, dtype=torch.bool)
-            m[pl - 1:pl + rl - 1] = True
+            m[pl - 1:pl + rl - 1] = batch["response_mask"][i, :rl]
             mask.append(m)
             adv.append(torch.full((pl + rl,), float(batch["advantages"][i])))
         input_ids = torch.cat(ids)
@@ -577,10 +632,8 @@ class DAPOTrainer:
         for start in range(0, len(mine), d.val_batch_size):
             idx = mine[start:start + d.val_batch_size]
             rows = [self.val_rows[i] for i in idx]
-            prompts = self._prompt_ids(idx, self.val_rows, None)
-            out = self.engine.generate(prompts, vk.n, d.max_response_length, temperature=vk.temperature,
-                                       top_p=vk.top_p, seed=self._seed(self.global_step, -1),
-                                       stop_token_ids=self.tokenizer.eos_token_ids)
+            out, _ = self._rollout(idx, rows, self.val_rows, None, vk.n, vk.temperature, vk.top_p,
+                                   self._seed(self.global_step, -1))
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
         if self.world > 1:
@@ -660,4 +713,4 @@ def batch_metrics(batch, max_response_length: int) -> Dict[str, float]:
             "response_length/min": float(rl.min()),
             "response_length/clip_ratio": float(batch["truncated"].double().mean()),
             "prompt_length/mean": float(batch["prompt_len"].double().mean()),
-            "train/num_tokens": float(batch["response_len"].sum())}
+            "train/num_tokens": float(batch["response_mask"].sum())}

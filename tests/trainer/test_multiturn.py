@@ -247,8 +247,9 @@ def test_environment_errors_name_env_and_conversation_and_keep_other_samples(tmp
     for k in (0, 1, 4, 5):  # the others ran to the end
         c = out.conversations[k]
         assert c.error is None and c.finish in ("stop", "length") and c.num_turns >= 1
-    # on_error="drop" returns the same rollout with the failures flagged.
-    out2 = multi_turn_rollout(engine, tok, env, rows, 2, on_error="drop", **args)
+    # on_error="drop" returns the same rollout with the failures flagged (a fresh environment: its
+    # random replies are a stream the first rollout has consumed).
+    out2 = multi_turn_rollout(engine, tok, Faulty(mode), rows, 2, on_error="drop", **args)
     assert set(out2.errors) == {2, 3} and out2.finish_reasons[2] == "error"
     assert torch.equal(out2.response_ids, out.response_ids)
 

@@ -15,12 +15,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .._registry import dispatch, register
-from .._validation import check_flag, check_float, check_tensor
+from .._validation import check_flag, check_float, check_mask, check_tensor
 from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
                          chunk_stats, grad_buffers, live_rows, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
 from .linear_log_probs import grads_triton, stats_triton
-from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metric_sums,
+from .policy_loss import (aggregation_weights, check_agg, check_clips, metric_sums,
                           metrics_from_counts, pg_token_terms)
 
 # Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
@@ -168,7 +168,7 @@ def _check_token_inputs(n: int, hidden, old_log_prob, advantages, response_mask,
         if t is not None or name != "old_log_prob":
             check_tensor(name, t, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
                          device=hidden.device, shape=(n,))
-    mask = check_mask("response_mask", response_mask, advantages)
+    mask = check_mask("response_mask", response_mask, device=advantages.device, shape=tuple(advantages.shape))
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
     if kl_coef and ref_log_prob is None:
@@ -207,7 +207,7 @@ def fused_linear_policy_loss(
 
     ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``, ``temperature`` and ``process_group``
     as in :func:`linear_log_probs`; ``old_log_prob``, ``advantages``, ``ref_log_prob`` float
-    ``[N]``, ``response_mask`` bool/int ``[N]``; the loss arguments as in
+    ``[N]``, ``response_mask`` ``[N]`` (bool, integer or float 0 / 1, as in :func:`dapo_kernels.policy_loss`); the loss arguments as in
     :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
     kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
     ``old_log_prob=None`` is the on-policy update (one epoch over one mini-batch): the old

@@ -148,6 +148,17 @@ def value_range(t: torch.Tensor) -> tuple:
     return tuple(torch.stack(torch.aminmax(t)).tolist())
 
 
+@per_tensor_cache
+def value_range_except(t: torch.Tensor, excluded: int) -> tuple:
+    """(min, max) of the entries of a non-empty integer tensor other than ``excluded`` (the log-prob
+    ops' ``ignore_index``), in one read; (1, 0) (min > max) if every entry is ``excluded``."""
+    keep = t != excluded
+    info = torch.iinfo(t.dtype)
+    lo, hi, any_kept = torch.stack([torch.where(keep, t, info.max).min(), torch.where(keep, t, info.min).max(),
+                                    keep.any().to(t.dtype)]).tolist()
+    return (lo, hi) if any_kept else (1, 0)
+
+
 def to_device_checked(t: torch.Tensor, device) -> torch.Tensor:
     """``t.to(device)``, with the facts the ops check of an integer tensor (its range; as
     ``cu_seqlens``, its boundaries) read from ``t`` while it is still on the host, where that

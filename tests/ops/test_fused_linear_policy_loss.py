@@ -103,7 +103,7 @@ def test_bad_input(case, exc, match):
     elif case == "label-out-of-range":
         labels[2] = 100
     elif case == "negative-label":
-        labels[0] = -100
+        labels[0] = -5
     elif case == "int-hidden":
         hidden = hidden.long()
     elif case == "weight-dtype":

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_int, check_tensor
+from ._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_int, check_mask, check_tensor
 
 GROUP_INDEX_KEY = "group_index"
 _PREFIX = "dynamic_sampling/"
@@ -127,7 +127,7 @@ class DynamicBatchAccumulator:
             raise TypeError(f"batch_tensors must be a non-empty dict of tensors, got {type(batch).__name__}")
         if GROUP_INDEX_KEY in batch:
             raise ValueError(f"batch_tensors must not contain {GROUP_INDEX_KEY!r}: take() adds it")
-        check_tensor("keep", keep, ndim=1, dtypes=(torch.bool,))
+        keep = check_mask("keep", keep, ndim=1)
         N, dev = keep.shape[0], keep.device
         check_tensor("group_index", group_index, dtypes=(torch.int64, torch.int32), device=dev, shape=[N])
         if scores is not None:
@@ -138,7 +138,7 @@ class DynamicBatchAccumulator:
                 raise ValueError(f"batch_tensors[{k!r}] must have {N} rows (len(keep)), got shape {tuple(v.shape)}")
         if self._keys is not None and tuple(sorted(batch)) != self._keys:
             raise ValueError(f"batch_tensors keys {sorted(batch)} differ from earlier batches' {list(self._keys)}")
-        return N
+        return N, keep
 
     def add(self, batch_tensors: Dict[str, torch.Tensor], group_index: torch.Tensor, keep: torch.Tensor, *,
             scores: Optional[torch.Tensor] = None) -> None:
@@ -147,14 +147,14 @@ class DynamicBatchAccumulator:
         Args:
             batch_tensors: ``{name: [N, ...] tensor}``, one row per response.
             group_index: ``[N]`` int64/int32 prompt group of each row, any order.
-            keep: ``[N]`` bool, e.g. ``group_filter(...).keep``; whole groups only.
+            keep: ``[N]`` bool (or integer / float 0 / 1), e.g. ``group_filter(...).keep``; whole groups only.
             scores: optional ``[N]`` filter metric, for the all-correct / all-wrong counts.
 
         Raises ValueError (nothing appended) if a kept group does not have exactly
         ``n_per_prompt`` rows, and :class:`DynamicSamplingExhausted` (after appending) when
         the batch is still not full after ``max_num_gen_batches`` generation batches.
         """
-        N = self._check_batch(batch_tensors, group_index, keep, scores)
+        N, keep = self._check_batch(batch_tensors, group_index, keep, scores)
         gi = group_index.long()
         n = self.n_per_prompt
         # Kept rows first, by group index: a second stable sort on ~keep, not a sentinel index for

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dapo_kernels as dk
-from dapo_kernels.ops.varlen_attention import SUPPORTED_HEAD_DIMS, _work_list
+from dapo_kernels.ops.varlen_attention import _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
 
@@ -51,7 +51,7 @@ CASES = [
     (256, 2, 1, True, FP16, "mixed"),
     (256, 2, 2, False, BF16, "longshort"),
 ]
-assert {c[0] for c in CASES} == set(SUPPORTED_HEAD_DIMS)
+assert {c[0] for c in CASES} == {16, 32, 64, 96, 128, 256}
 assert {c[1] // c[2] for c in CASES} == {1, 2, 4, 8}
 
 
@@ -62,9 +62,10 @@ def _inputs(lengths, D, Hq, Hkv, dtype):
     return q, k, v, cu
 
 
-def _run(impl, q, k, v, cu, max_seqlen, causal, scale):
+def _run(impl, q, k, v, cu, max_seqlen, causal, scale, **kw):
     with backend(impl):
-        out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True)
+        out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True,
+                                       **kw)
         dout = torch.randn_like(out)
         grads = _grads(out, q, k, v, dout)
     return out, lse, grads, dout
@@ -74,9 +75,10 @@ def _grads(out, q, k, v, dout):
     return torch.autograd.grad(out, (q, k, v), dout.to(out.dtype)) if out.numel() else (q * 0, k * 0, v * 0)
 
 
-def _ref(q, k, v, cu, causal, scale, dout, compute_dtype):
+def _ref(q, k, v, cu, causal, scale, dout, compute_dtype, **kw):
     """(out, lse, dq, dk, dv) of the plain softmax reference in ``compute_dtype``."""
-    out, lse = varlen_attention_ref(q, k, v, cu, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype)
+    out, lse = varlen_attention_ref(q, k, v, cu, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
+                                    **kw)
     return (out, lse) + _grads(out, q, k, v, dout)
 
 
@@ -149,6 +151,77 @@ def test_matches_reference(impl, D, Hq, Hkv, causal, dtype, kind):
     for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
         assert g.dtype == dtype
         assert_close_to_ref(g, r, t, name=name)
+
+
+# Issue 19: sliding window (flash-attn's window_size), soft-capping (Gemma 2) and head dims that
+# are multiples of 8 but not powers of two (the kernels mask the columns of the next block).
+# (D, Hq, Hkv, causal, dtype, lengths, window_size, softcap). Plain torch in the dtype for the
+# tolerance is the naive reference only: torch's SDPA has neither soft-capping nor windows.
+LOCAL_CASES = [
+    (80, 4, 2, True, BF16, "longshort", (9, -1), 0.0),     # Mistral-style causal window
+    (112, 2, 1, False, FP32, "mixed", (5, 3), 0.0),        # two-sided window
+    (40, 2, 2, False, FP16, "mixed", (-1, 4), 0.0),        # right side only
+    (8, 4, 1, True, FP32, "longshort", (1, -1), 0.0),      # each query sees itself and the one before
+    (160, 2, 2, True, BF16, "mixed", (-1, -1), 5.0),        # Gemma 2: causal + softcap
+    (192, 4, 2, False, FP32, "mixed", (-1, -1), 2.0),
+    (200, 2, 1, True, FP16, "tiny", (3, -1), 1.0),         # window + softcap together
+    (24, 4, 4, True, FP32, "longshort", (20, 7), 30.0),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "D,Hq,Hkv,causal,dtype,kind,window,softcap", LOCAL_CASES,
+    ids=[case_id(D=c[0], Hq=c[1], Hkv=c[2], causal=c[3], dtype=c[4], L=c[5], W="_".join(map(str, c[6])),
+                 cap=c[7]) for c in LOCAL_CASES],
+)
+def test_window_softcap_head_dims_match_reference(impl, D, Hq, Hkv, causal, dtype, kind, window, softcap):
+    lengths = _lengths(kind)
+    q, k, v, cu = _inputs(lengths, D, Hq, Hkv, dtype)
+    if softcap:  # scores well past the cap, so the tanh saturates for some keys
+        q = (q.detach() * 3).requires_grad_()
+    kw = dict(window_size=window, softcap=softcap)
+    out, lse, grads, dout = _run(impl, q, k, v, cu, max(lengths), causal, None, **kw)
+    ref = _ref(q, k, v, cu, causal, None, dout, torch.float64, **kw)
+    low = _ref(q, k, v, cu, causal, None, dout, dtype, **kw)
+    assert out.dtype == dtype and lse.shape == (Hq, q.shape[0])
+    for name, got, r, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + grads, ref, low):
+        assert_close_to_ref(got, r, t.float() if name == "lse" else t, name=name)
+
+
+def test_window_and_softcap_change_the_result():
+    """The options are not ignored: each one changes out (guards the comparisons above)."""
+    q, k, v, cu = _inputs([30, 7], 16, 2, 2, FP32)
+    for impl in ("torch", "triton"):
+        with backend(impl):
+            base = dk.varlen_attention(q, k, v, cu, 30)
+            assert not torch.allclose(dk.varlen_attention(q, k, v, cu, 30, window_size=(4, -1)), base)
+            assert not torch.allclose(dk.varlen_attention(q, k, v, cu, 30, softcap=0.5), base)
+            # A window at least as long as the sequence is no window; right is ignored when causal.
+            torch.testing.assert_close(dk.varlen_attention(q, k, v, cu, 30, window_size=(30, 3)), base)
+            # Window (0, 0): each query sees only its own key, so out = v (exactly one probability 1).
+            torch.testing.assert_close(dk.varlen_attention(q, k, v, cu, 30, causal=False, window_size=(0, 0)),
+                                       v.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nocausal"])
+def test_window_nan_reaches_only_the_queries_that_see_it(impl, causal):
+    """A NaN key poisons exactly the queries whose window holds it (and their keys' gradients)."""
+    q, k, v, cu = _inputs([24, 9], 16, 2, 1, FP32)
+    k = k.detach().clone()
+    k[10, 0, 3] = float("nan")
+    k.requires_grad_()
+    left, right = 3, 2
+    with backend(impl):
+        out = dk.varlen_attention(q, k, v, cu, 24, causal=causal, window_size=(left, right))
+        out.sum().backward()
+    i = torch.arange(q.shape[0])
+    hi = 10 + left
+    lo = 10 if causal else 10 - right
+    want = (i >= lo) & (i <= hi)
+    assert torch.equal(out.isnan().any(-1).any(-1), want)
+    assert torch.equal(q.grad.isnan().any(-1).any(-1), want)
 
 
 # flash-attn's accuracy rule (its varlen tests): the max error against the float32 reference
@@ -241,7 +314,7 @@ def _good():
 
 
 def _call(args):
-    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse") if n in args}
+    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse", "window_size", "softcap") if n in args}
     return dk.varlen_attention(args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"], **kw)
 
 
@@ -253,8 +326,16 @@ BAD = [
     ("cu-dtype", lambda g: dict(cu_seqlens=g["cu_seqlens"].float()), ValueError, "cu_seqlens must have dtype"),
     ("cu-2d", lambda g: dict(cu_seqlens=g["cu_seqlens"][None]), ValueError, "cu_seqlens must be 1-D"),
     ("heads", lambda g: dict(q=torch.randn(5, 3, 32, dtype=BF16)), ValueError, "multiple of the KV heads"),
-    ("head-dim", lambda g: dict(q=torch.randn(5, 4, 48, dtype=BF16), k=torch.randn(5, 2, 48, dtype=BF16),
-                                v=torch.randn(5, 2, 48, dtype=BF16)), ValueError, "head dim D must be one of"),
+    ("head-dim", lambda g: dict(q=torch.randn(5, 4, 44, dtype=BF16), k=torch.randn(5, 2, 44, dtype=BF16),
+                                v=torch.randn(5, 2, 44, dtype=BF16)), ValueError, "head dim D must be a multiple of 8"),
+    ("head-dim-big", lambda g: dict(q=torch.randn(5, 4, 264, dtype=BF16), k=torch.randn(5, 2, 264, dtype=BF16),
+                                    v=torch.randn(5, 2, 264, dtype=BF16)), ValueError, "head dim D must be a multiple"),
+    ("window-type", lambda g: dict(window_size=4), TypeError, "window_size must be a"),
+    ("window-len", lambda g: dict(window_size=(1, 2, 3)), TypeError, "window_size must be a"),
+    ("window-neg", lambda g: dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] must be >= -1"),
+    ("window-float", lambda g: dict(window_size=(4, 1.5)), TypeError, r"window_size\[1\] must be an int"),
+    ("softcap-neg", lambda g: dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    ("softcap-nan", lambda g: dict(softcap=float("nan")), ValueError, "softcap must be finite"),
     ("q-dtype", lambda g: dict(q=g["q"].double()), ValueError, "q must have dtype"),
     ("kv-dtype", lambda g: dict(v=g["v"].half()), ValueError, "v must have dtype"),
     ("kv-shape", lambda g: dict(v=g["v"][:, :1]), ValueError, "v must have shape"),

@@ -13,6 +13,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .._registry import dispatch, register
 from .._validation import check_flag, check_float, check_mask, check_tensor
@@ -155,7 +156,10 @@ def _fused_backward(ctx, g_sums, *_):
         d_h = d_w = None
     else:
         g = g_sums[0]
-        d_h, d_w = d_h.mul_(g), d_w.mul_(g)
+        if is_fake(d_h):  # traced (torch.compile, opcheck): a graph may not write into a forward output
+            d_h, d_w = d_h * g, d_w * g
+        else:
+            d_h, d_w = d_h.mul_(g), d_w.mul_(g)
     return (d_h, d_w, None, [None] * ctx.n_tokens, None, None, None, None, None, None)
 
 

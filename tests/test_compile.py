@@ -122,7 +122,8 @@ def test_value_checks_run_on_the_device_under_compile(backend):
     f = torch.compile(loss, fullgraph=True, backend=backend)
     cu = torch.tensor([0, 4, 6, 10], dtype=torch.int32)
     assert _same(f(lp, cu), loss(lp, cu))
-    for bad, what in (([0, 6, 4, 10], "non-decreasing"), ([0, 4, 6, 9], r"\[-1\] must equal"), ([1, 4, 6, 10], r"\[0\]")):
+    for bad, what in (([0, 6, 4, 10], "non-decreasing"), ([0, 4, 6, 9], r"\[-1\] must equal"),
+                      ([1, 4, 6, 10], r"\[0\]")):
         _raises_on_device(f, lp, torch.tensor(bad, dtype=torch.int32), match=f"cu_seqlens.*{what}")
     # a float mask other than 0 / 1
     g = torch.compile(lambda lp, m: dk.policy_loss(lp, lp.detach(), lp, m)[0], fullgraph=True, backend=backend)

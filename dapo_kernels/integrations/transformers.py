@@ -89,7 +89,8 @@ def dapo_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     """transformers attention function (``AttentionInterface``): ``query [B, Hq, S, D]``, ``key`` /
     ``value [B, Hkv, S, D]`` -> ``(out [B, S, Hq, D], None)``."""
     if dropout:
-        raise NotImplementedError("attn_implementation='dapo_varlen' has no attention dropout (set attention_dropout=0)")
+        raise NotImplementedError("attn_implementation='dapo_varlen' has no attention dropout "
+                                  "(set attention_dropout=0)")
     if s_aux is not None:
         raise NotImplementedError("attn_implementation='dapo_varlen' does not support attention sinks (s_aux)")
     batch, _, seqlen, _ = query.shape
@@ -112,7 +113,8 @@ def dapo_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if position_ids is not None:
         check_tensor("position_ids", position_ids, ndim=2)
         if position_ids.shape[1] != seqlen or position_ids.shape[0] not in (1, batch):
-            raise ValueError(f"position_ids must be [B, S] or [1, S] = [{batch}, {seqlen}], got {list(position_ids.shape)}")
+            raise ValueError(f"position_ids must be [B, S] or [1, S] = [{batch}, {seqlen}], "
+                             f"got {list(position_ids.shape)}")
         cu = _packed_plan(position_ids, batch, seqlen)
     else:
         cu = _cu_seqlens_from_starts(_row_starts(None, batch, seqlen, query.device).reshape(-1))
@@ -192,8 +194,8 @@ def _dapo_forward(self, input_ids=None, attention_mask=None, position_ids=None, 
         return DapoCausalLMOutput(loss=loss, past_key_values=out.past_key_values, log_probs=unshift(lp))
     mask = labels != IGNORE_INDEX if response_mask is None else response_mask.bool() & (labels != IGNORE_INDEX)
     tokens = {name: _next_token(t, 0, starts).reshape(-1) if t is not None else None
-              for name, t in (("advantages", advantages), ("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob),
-                              ("response_mask", mask))}
+              for name, t in (("advantages", advantages), ("old_log_prob", old_log_prob),
+                              ("ref_log_prob", ref_log_prob), ("response_mask", mask))}
     if policy.get("loss_agg_mode", "token-mean").startswith("seq"):
         policy["cu_seqlens"] = _cu_seqlens_from_starts(starts.reshape(-1))
     loss, metrics = fused_linear_policy_loss(flat_h, weight, nxt_labels, tokens["old_log_prob"], tokens["advantages"],

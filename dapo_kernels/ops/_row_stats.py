@@ -326,7 +326,8 @@ def check_linear_inputs(hidden, weight, labels, temperature, process_group, igno
         if ignore_index is not None:
             ignored = labels == ignore_index
             ok = ok | ignored
-        torch._assert_async(ok.all(), f"labels must lie in [0, V) or equal ignore_index={ignore_index} (checked on the device)")
+        torch._assert_async(ok.all(), f"labels must lie in [0, V) or equal ignore_index={ignore_index} "
+                                      "(checked on the device)")
     elif labels.numel():
         lo, hi = value_range(labels)
         if ignore_index is not None and lo <= ignore_index <= hi:

@@ -133,7 +133,8 @@ def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entro
     f32 = dict(dtype=torch.float32)
     d_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0, hidden.shape[1]))
     d_w = torch.empty_like(weight) if compute_grad else weight.new_empty((0, weight.shape[1]))
-    return hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), d_h, d_w
+    return (hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32),
+            hidden.new_empty((n,), **f32), d_h, d_w)
 
 
 def _fused_setup(ctx, inputs, output):
@@ -212,7 +213,8 @@ def fused_linear_policy_loss(
 
     ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``, ``temperature`` and ``process_group``
     as in :func:`linear_log_probs`; ``old_log_prob``, ``advantages``, ``ref_log_prob`` float
-    ``[N]``, ``response_mask`` ``[N]`` (bool, integer or float 0 / 1, as in :func:`dapo_kernels.policy_loss`); the loss arguments as in
+    ``[N]``, ``response_mask`` ``[N]`` (bool, integer or float 0 / 1, as in :func:`dapo_kernels.policy_loss`);
+    the loss arguments as in
     :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
     kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
     ``old_log_prob=None`` is the on-policy update (one epoch over one mini-batch): the old

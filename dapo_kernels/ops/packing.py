@@ -288,11 +288,13 @@ def check_indices(indices: torch.Tensor, num_rows: int, *, distinct: bool, bound
         if distinct:
             marked = torch.zeros(num_rows, dtype=torch.bool, device=indices.device)
             marked[indices.clamp(0, max(num_rows - 1, 0))] = True
-            torch._assert_async(marked.sum() == indices.numel(), "indices must be distinct positions (checked on the device)")
+            torch._assert_async(marked.sum() == indices.numel(),
+                                "indices must be distinct positions (checked on the device)")
         return
     lo, hi, marked = _index_stats(indices, num_rows)
     if lo < 0 or hi >= num_rows:
-        raise ValueError(f"indices must lie in [0, {bound + ') = [0, ' if bound else ''}{num_rows}), got range [{lo}, {hi}]")
+        named = f"{bound}) = [0, " if bound else ""
+        raise ValueError(f"indices must lie in [0, {named}{num_rows}), got range [{lo}, {hi}]")
     if distinct and marked != indices.numel():
         raise ValueError(f"indices must be distinct positions, got {indices.numel() - marked} repeated among "
                          f"{indices.numel()}")

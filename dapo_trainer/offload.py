@@ -23,9 +23,10 @@ from typing import Optional
 import torch
 
 
-class _Saved:
-    """One offloaded tensor: its host copy, where it came from, the copy's completion event, the
-    input saved before it (the next one the backward needs) and a prefetched device copy."""
+class OffloadedTensor:
+    """One offloaded tensor: its host copy (any object a custom ``to_host`` keeps), the device it
+    came from, the copy's completion event (None: nothing to wait for), the input saved before
+    it (the next one the backward needs) and a prefetched device copy."""
 
     __slots__ = ("host", "device", "ready", "prev", "fetched")
 
@@ -56,20 +57,20 @@ class ActivationOffload:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def to_host(self, t: torch.Tensor) -> _Saved:
+    def to_host(self, t: torch.Tensor) -> OffloadedTensor:
         if t.device.type == "cpu":
-            return _Saved(t, t.device)
+            return OffloadedTensor(t, t.device)
         if t.device.type != "cuda":
-            return _Saved(t.to("cpu"), t.device)
+            return OffloadedTensor(t.to("cpu"), t.device)
         stream = self._stream(t.device)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written on the compute stream
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
         t.record_stream(stream)  # the allocator reuses t's memory only after the copy
-        return _Saved(host, t.device, stream.record_event())
+        return OffloadedTensor(host, t.device, stream.record_event())
 
-    def prefetch(self, saved: _Saved) -> None:
+    def prefetch(self, saved: OffloadedTensor) -> None:
         """Start bringing ``saved`` back to its device (CUDA: on the side stream)."""
         if saved.ready is None or saved.fetched is not None:
             return
@@ -79,7 +80,7 @@ class ActivationOffload:
             dev = saved.host.to(saved.device, non_blocking=True)
         saved.fetched = (dev, stream.record_event())
 
-    def to_device(self, saved: _Saved) -> torch.Tensor:
+    def to_device(self, saved: OffloadedTensor) -> torch.Tensor:
         if saved.ready is None:
             return saved.host.to(saved.device)
         self.prefetch(saved)
@@ -109,7 +110,7 @@ class ActivationOffload:
             return saved
 
         def unpack(saved):
-            if not isinstance(saved, _Saved):
+            if not isinstance(saved, OffloadedTensor):
                 return saved
             t = self.to_device(saved)
             if saved.prev is not None:

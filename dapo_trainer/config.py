@@ -506,10 +506,12 @@ def validate(cfg: Config) -> Config:
              f"must be >= 1, got {d.gen_batch_size}")
     _require(d.train_batch_size % a.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
              f"must divide data.train_batch_size ({d.train_batch_size}), got {a.ppo_mini_batch_size}")
-    _require(not a.use_dynamic_bsz or a.ppo_max_token_len_per_gpu >= d.max_prompt_length + d.max_response_length,
+    # An SP group shares a micro-batch: it holds SP x the per-rank cap.
+    sp = a.ulysses_sequence_parallel_size
+    _require(not a.use_dynamic_bsz or a.ppo_max_token_len_per_gpu * sp >= d.max_prompt_length + d.max_response_length,
              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-             f"must hold the longest sequence, data.max_prompt_length + data.max_response_length = "
-             f"{d.max_prompt_length + d.max_response_length}, got {a.ppo_max_token_len_per_gpu}")
+             f"times ulysses_sequence_parallel_size ({sp}) must hold the longest sequence, data.max_prompt_length + "
+             f"data.max_response_length = {d.max_prompt_length + d.max_response_length}, got {a.ppo_max_token_len_per_gpu}")
     _require(d.truncation in ("error", "left", "right"), "data.truncation",
              f"must be 'error', 'left' or 'right', got {d.truncation!r}")
     _require("{prompt}" in d.prompt_template, "data.prompt_template", "must contain '{prompt}'")

@@ -9,7 +9,8 @@ One step (``DAPOTrainer.train_step``):
    kept (``DynamicSamplingExhausted`` after ``max_num_gen_batches``);
 4. old log-probs (skipped on-policy: one mini-batch, one epoch) and reference log-probs;
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
-   token-capped micro-batches (``dk.micro_batches``) packed through the model,
+   token-capped micro-batches (``dk.micro_batches``, balanced by attention workload; the cap is
+   per rank, so an SP group's micro-batch holds SP times as many tokens) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
    gradients averaged over data-parallel ranks by torch's DDP (once per mini-batch: the
    micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW
@@ -50,7 +51,7 @@ from .hf_io import load_hf_model
 from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import (apply_ddp, apply_fsdp, apply_sequence_parallel, balanced_dp_split, collective_device,
-                       full_state_dict, make_mesh, parallelize, shard_sequence, tp_shard_dims)
+                       full_state_dict, make_mesh, parallelize, shard_sequence, sp_micro_batches, tp_shard_dims)
 from .rollout import make_rollout
 from .rollout.multiturn import multi_turn_rollout
 
@@ -449,12 +450,14 @@ class DAPOTrainer:
                 mine = [mini[i] for i in part]
             lens = [seqlens[i] for i in mine]
             if a.use_dynamic_bsz:
-                micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu)
+                # Per SP group: SP times the per-rank token cap, balanced by attention workload.
+                split = dict(hidden_size=self.model.config.hidden_size, sp=self.sp)
+                micro = sp_micro_batches(lens, a.ppo_max_token_len_per_gpu, **split)
                 if a.strategy == "fsdp2" and self.grad_ranks > 1:
                     # FSDP reduce-scatters in every backward: every rank runs as many.
                     cnt = torch.tensor([len(micro)], device=self.comm_device)
                     dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.grad_group)
-                    micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu, min_num_micro_batches=int(cnt))
+                    micro = sp_micro_batches(lens, a.ppo_max_token_len_per_gpu, **split, min_num_micro_batches=int(cnt))
                 micro = [[mine[i] for i in mb] for mb in micro]
             else:
                 step = a.ppo_micro_batch_size_per_gpu

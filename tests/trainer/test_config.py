@@ -239,6 +239,11 @@ def test_sp_size_alias_and_long_context_keys(tmp_path):
                                  "actor_rollout_ref.model.enable_activation_offload=true"])
     assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 4
     assert cfg.actor_rollout_ref.model.enable_activation_offload is True
+    # An SP group's micro-batch holds SP x the per-rank token cap: longer sequences fit.
+    long = ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512"]  # prompt + response: 1024 tokens
+    assert load_config(overrides=long + ["actor_rollout_ref.actor.sp_size=2"])
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu"):
+        load_config(overrides=long)
     p = tmp_path / "c.yaml"
     p.write_text("actor_rollout_ref:\n  actor:\n    sp_size: 2\n    ulysses_sequence_parallel_size: 2\n")
     with pytest.raises(ValueError, match="duplicate config key 'actor_rollout_ref.actor.ulysses_sequence_parallel_size'"):

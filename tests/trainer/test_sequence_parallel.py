@@ -21,7 +21,7 @@ import dapo_kernels as dk
 from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref, varlen_attention_ref
 from dapo_trainer import ModelConfig, Transformer, load_hf_model, save_hf_model
 from dapo_trainer.offload import ActivationOffload
-from dapo_trainer.parallel import apply_sequence_parallel, parallelize, shard_sequence
+from dapo_trainer.parallel import apply_sequence_parallel, parallelize, shard_sequence, sp_micro_batches
 from tests.helpers import cu_seqlens_from, max_abs_err, spawn_process_group
 from tests.trainer.collective_audit import CollectiveAudit
 
@@ -189,3 +189,26 @@ def test_ulysses_sp2_sp4_equal_one_process(tmp_path, monkeypatch):
         assert "num_heads (2) must be divisible by the sequence-parallel size 4" in errs["heads"]
         assert "num_kv_heads (3) must divide or be divisible by the sequence-parallel size 4" in errs["kv_heads"]
         assert "tensor-parallel model is not supported" in errs["tp"]
+
+
+def test_sp_micro_batches_cap_per_group_and_attention_balance():
+    """An SP group's micro-batch holds sp x the per-rank cap (each rank's shard stays under the
+    cap, a sequence may be longer than it) and micro-batches balance attention workload."""
+    lens = [3000, 500, 500, 500, 500, 500, 500, 2000, 1000, 1000]
+    cap, sp, hidden = 2048, 2, 64
+    with pytest.raises(ValueError, match="exceeds max_token_len"):
+        dk.micro_batches(lens, cap)  # without SP the 3000-token sequence does not fit
+    micro = sp_micro_batches(lens, cap, hidden_size=hidden, sp=sp)
+    assert sorted(i for mb in micro for i in mb) == list(range(len(lens)))
+    for mb in micro:
+        tokens = sum(lens[i] for i in mb)
+        assert tokens <= cap * sp and -(-tokens // sp) <= cap, (mb, tokens)
+    work = dk.attention_workload(lens, hidden)
+
+    def spread(mbs):
+        sums = [int(sum(work[i] for i in mb)) for mb in mbs]
+        return max(sums) - min(sums)
+
+    by_tokens = dk.micro_batches(lens, cap * sp)
+    assert len(micro) == len(by_tokens)
+    assert spread(micro) < spread(by_tokens), (micro, by_tokens)

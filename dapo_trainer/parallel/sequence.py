@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..model import Transformer
 from .collectives import sequence_shards
+from .tensor import check_not_yet
 
 
 def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
@@ -31,12 +32,7 @@ def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
     ``num_heads`` must divide by the group size ``n``, and ``num_kv_heads`` divide by it or
     divide it (ValueError otherwise). Not combined with tensor parallelism here (ValueError).
     """
-    if not isinstance(model, Transformer):
-        raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
-    if not dist.is_initialized():
-        raise ValueError("sp_group: torch.distributed is not initialised")
-    if model.sp_group is not None:
-        raise ValueError("model is already sequence parallel")
+    check_not_yet(model, "sp_group", "sequence")
     if model.tp_group is not None:
         raise ValueError("model: sequence parallelism on a tensor-parallel model is not supported")
     n, cfg = dist.get_world_size(sp_group), model.config

@@ -37,13 +37,13 @@ def _config(kv: int) -> ModelConfig:
     return ModelConfig(**_BASE, num_kv_heads=kv, qkv_bias=kv == 2, model_type="qwen2" if kv == 2 else "llama")
 
 
-def _step(model, inp, sp_group=None, *, loss_fn=dk.fused_linear_policy_loss, log_probs=None):
+def _step(model, inp, sp_group=None, *, loss_fn=dk.fused_linear_policy_loss, log_probs=None, max_seqlen=max(LENGTHS)):
     """Forward, logits, log-probs, the fused DAPO loss (token mean over the global count), backward.
 
     Under SP every per-token input is sharded like the model's output; returns this rank's
     logits / log-probs and its share of the loss."""
     local = (lambda t: shard_sequence(t, sp_group)) if sp_group is not None else (lambda t: t)
-    hidden = model(inp["ids"], inp["cu"], max(LENGTHS))
+    hidden = model(inp["ids"], inp["cu"], max_seqlen)
     logits = model.logits(hidden)
     labels = local(inp["labels"])
     log_prob = (log_probs or model.log_probs)(hidden, labels)[0]
@@ -212,3 +212,44 @@ def test_sp_micro_batches_cap_per_group_and_attention_balance():
     by_tokens = dk.micro_batches(lens, cap * sp)
     assert len(micro) == len(by_tokens)
     assert spread(micro) < spread(by_tokens), (micro, by_tokens)
+
+
+# 32k tokens; the 12000-token sequence crosses the sp=2 cut at 16384.
+LONG_LENGTHS = [12000, 9000, 7000, 4768]
+
+
+def _long_worker(rank: int, workdir: str):
+    torch.set_num_threads(1)
+    import time
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                    num_kv_heads=1, head_dim=16)).init_weights()
+    apply_sequence_parallel(model, dist.group.WORLD)
+    model.activation_checkpointing, model.activation_offload = True, ActivationOffload()
+    T = sum(LONG_LENGTHS)
+    ids = torch.randint(0, 64, (T,))
+    t0 = time.perf_counter()
+    _, log_prob, loss = _step(model, dict(ids=ids, cu=cu_seqlens_from(LONG_LENGTHS), labels=torch.roll(ids, -1),
+                                          mask=torch.ones(T, dtype=torch.bool), adv=torch.randn(T),
+                                          old=torch.full((T,), -4.0)), dist.group.WORLD, max_seqlen=max(LONG_LENGTHS))
+    seconds = time.perf_counter() - t0
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    torch.save(dict(seconds=seconds, tokens=log_prob.shape[0], loss=loss, offloaded=model.activation_offload.stats,
+                    finite=all(bool(g.isfinite().all()) for g in grads.values()) and bool(log_prob.isfinite().all()),
+                    zero=[n for n, g in grads.items() if not g.abs().sum() > 0]),
+               os.path.join(workdir, f"long{rank}.pt"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_32k_token_pack_sp2_forward_backward(tmp_path):
+    """A 32768-token pack (a 12000-token sequence across the shard cut) through a small model,
+    forward + backward with sp=2, checkpointing and offload, on the CPU."""
+    spawn_process_group(_long_worker, 2, str(tmp_path), timeout=datetime.timedelta(seconds=300))
+    res = [torch.load(tmp_path / f"long{r}.pt", weights_only=True) for r in range(2)]
+    print(f"32k-token pack, sp=2: forward + backward {max(r['seconds'] for r in res):.1f} s per rank")
+    assert [r["tokens"] for r in res] == [16384, 16384]
+    for r in res:
+        assert r["finite"] and torch.isfinite(r["loss"]) and not r["zero"], r
+        assert r["offloaded"]["offloaded"] == 1 and r["offloaded"]["bytes"] == 16384 * 32 * 4, r["offloaded"]

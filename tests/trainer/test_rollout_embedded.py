@@ -277,9 +277,11 @@ def test_shares_with_prompt_offset_sample_what_the_whole_batch_samples(model, en
     whole = engine.generate(prompts, n, 8, seed=11)
     # Log-probs: computed in batches of other sizes, so equal up to fp32 rounding. Yardstick: the
     # teacher-forced packed recomputation (dk.varlen_attention has no float64); the shares'
-    # deviation from it may be at most 2x the whole batch's.
+    # deviation from it may be at most 2x the whole batch's, with the project's ulp floor (as
+    # assert_close_to_ref): the whole batch can land within an ulp of the recomputation, a share
+    # batched differently a few ulps off (seen on some seeds with a bare 2x).
     ref, *_ = recomputed_log_probs(model, whole, 1.0)
-    bound = 2 * (whole.log_probs - ref).abs().max()
+    bound = 2 * max((whole.log_probs - ref).abs().max(), torch.finfo(torch.float32).eps * ref.abs().max())
     for sampler in (engine.generate, lambda *a, **k: naive_generate(engine.model, *a, **k)):
         parts = [sampler(prompts[lo:hi], n, 8, seed=11, prompt_offset=lo) for lo, hi in ((0, 2), (2, 3), (3, 5))]
         assert torch.equal(torch.cat([p.response_ids for p in parts]), whole.response_ids)

@@ -166,8 +166,8 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict) -> None:
     spawn_process_group(_worker, world, str(tmp_path), base, scenarios, timeout=datetime.timedelta(seconds=300))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     # Ranks per replica (TP or SP group): they sample the same share.
-    tp_of = {name: 2 if any(o.split("=")[0].endswith(("tensor_model_parallel_size", "sp_size", "sequence_parallel_size"))
-                            and o.endswith("=2") for o in extra) else 1
+    group_keys = ("tensor_model_parallel_size", "sp_size", "sequence_parallel_size")
+    tp_of = {name: 2 if any(o.split("=")[0].endswith(group_keys) and o.endswith("=2") for o in extra) else 1
              for name, extra in scenarios.items()}
     failures = _compare(single, ranks, scenarios, tp_of)
     for name in scenarios:

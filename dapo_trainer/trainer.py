@@ -155,6 +155,16 @@ class DAPOTrainer:
             raise ValueError(f"actor_rollout_ref.actor.tensor_model_parallel_size={self.tp} must divide the "
                              f"number of processes {self.world}")
         self.dp = self.world // self.tp
+        rows = self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n
+        if rows < self.dp:
+            # Each DP rank trains on a share of every mini-batch: a rank without a row would
+            # run no backward, and the others would wait in DDP's gradient all-reduce forever.
+            raise ValueError(
+                f"actor_rollout_ref.actor.ppo_mini_batch_size ({self.actor_cfg.ppo_mini_batch_size}) x "
+                f"actor_rollout_ref.rollout.n ({self.rollout_cfg.n}) = {rows} rows per mini-batch, fewer than "
+                f"the {self.dp} data-parallel ranks ({self.world} processes / "
+                f"actor_rollout_ref.actor.tensor_model_parallel_size {self.tp}): every rank needs at least one "
+                "row; raise the mini-batch size or n, or run fewer processes")
         self.tp_group = self.dp_group = self.dp_mesh = None
         # Where tensors handed to a collective live: the backend's device (NCCL takes CUDA
         # tensors only), whatever the tensor was built from.

@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import time
-from collections import defaultdict
 from contextlib import nullcontext
 from typing import Dict, List, Optional
 
@@ -119,11 +118,10 @@ class DAPOTrainer:
         self.ref_model = None
         if self.actor_cfg.use_kl_loss:
             self.ref_model = self._build_model(arr.model.path, trainable=False)
-        # The sampler needs the whole, unsharded model: under TP / FSDP it samples from a
-        # replica that is refreshed after every update.
-        self.sharded = self.tp > 1 or self.actor_cfg.strategy == "fsdp2"
-        self.rollout_model = load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if self.sharded else self.model
-        self.engine = make_rollout(self.rollout_cfg.engine_config(), self.rollout_model)
+        # Both engines take the training model as it is sharded: the embedded one samples from
+        # it (TP shards, FSDP2 one layer gathered at a time), vLLM receives its gathered weights.
+        self.sharded = self.tp > 1 or (self.actor_cfg.strategy == "fsdp2" and self.dp > 1)
+        self.engine = make_rollout(self.rollout_cfg.engine_config(), self.model)
 
         o = self.actor_cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -263,6 +261,7 @@ class DAPOTrainer:
         R = d.max_response_length
         table = torch.zeros(len(prompts) * r.n, 2 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
         if not prompts:  # more replicas than prompts: this one only receives
+            self._join_lockstep(R)
             return table, 0, {"gen": 0.0, "reward": 0.0}
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, r.n, R, temperature=r.temperature, top_p=r.top_p, seed=seed,
@@ -342,7 +341,8 @@ class DAPOTrainer:
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
-        timing, tokens, local_tokens, k = defaultdict(float), 0, 0, 0
+        # A step whose train batch the carried-over groups fill generates nothing: its timings are 0, not missing.
+        timing, tokens, local_tokens, k = dict.fromkeys(("gen", "reward", "filter"), 0.0), 0, 0, 0
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
@@ -572,20 +572,29 @@ class DAPOTrainer:
         return norm
 
     def sync_weights(self) -> None:
-        if self.sharded:
-            self.rollout_model.load_state_dict(full_state_dict(self.model))
-        self.engine.update_weights(self.rollout_model)
+        self.engine.update_weights(self.model)
+
+    def _join_lockstep(self, max_new_tokens: int) -> None:
+        """A rank without prompts joins the FSDP2 sampler's per-layer gathers of its peers."""
+        if getattr(self.engine, "lockstep_group", None) is not None:
+            self.engine.generate([], 1, max_new_tokens)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> Dict[str, float]:
-        """Greedy (``rollout.val_kwargs``) decoding of the validation rows, split over all ranks."""
+        """Greedy (``rollout.val_kwargs``) decoding of the validation rows, split over the
+        data-parallel replicas (the ranks of a TP group sample the same rows together)."""
         if not self.val_rows:
             return {}
         d, vk = self.cfg.data, self.rollout_cfg.val_kwargs
-        mine = list(range(self.rank, len(self.val_rows), self.world))
+        q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
+        mine = list(range(q, len(self.val_rows), self.dp))
+        most = -(-len(self.val_rows) // self.dp)  # every replica runs as many batches (FSDP2 lockstep)
         sums = torch.zeros(4, dtype=torch.float64)
-        for start in range(0, len(mine), d.val_batch_size):
+        for start in range(0, most, d.val_batch_size):
             idx = mine[start:start + d.val_batch_size]
+            if not idx:
+                self._join_lockstep(d.max_response_length)
+                continue
             rows = [self.val_rows[i] for i in idx]
             prompts = self._prompt_ids(idx, self.val_rows, None)
             out = self.engine.generate(prompts, vk.n, d.max_response_length, temperature=vk.temperature,
@@ -593,9 +602,9 @@ class DAPOTrainer:
                                        stop_token_ids=self.tokenizer.eos_token_ids)
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
-        if self.world > 1:
+        if self.dp > 1:
             sums = sums.to(self.comm_device)
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.dp_group)
         score, acc, length, n = sums.tolist()
         n = max(n, 1.0)
         return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
@@ -623,8 +632,7 @@ class DAPOTrainer:
         state = {"step": self.global_step, "cursor": self.cursor.state_dict(),
                  "accumulator": ckpt.accumulator_state(self.accumulator), "nonfinite_streak": self.nonfinite_streak}
         full = full_state_dict(self.model) if self.sharded else self.model.state_dict()
-        model = self.rollout_model if self.sharded else self.model
-        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=model, full_state=full,
+        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
                                     model_src_dir=self.cfg.actor_rollout_ref.model.path)
 

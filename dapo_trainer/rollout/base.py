@@ -127,12 +127,13 @@ def pack_responses(responses: Sequence[Sequence[int]], log_probs: Sequence[Seque
 
 
 def check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                        max_model_len: int, vocab_size: int, prompt_offset: int = 0):
-    """Validate ``generate``'s arguments; return ``(prompts as lists, stop ids tuple)``."""
+                        max_model_len: int, vocab_size: int, prompt_offset: int = 0, allow_empty: bool = False):
+    """Validate ``generate``'s arguments; return ``(prompts as lists, stop ids tuple)``.
+    ``allow_empty``: no prompts is valid (an engine whose ranks sample in lockstep)."""
     check_int("prompt_offset", prompt_offset, minimum=0)
     if isinstance(prompt_ids, torch.Tensor) or not isinstance(prompt_ids, (list, tuple)):
         raise TypeError(f"prompt_ids must be a list of lists of ints, got {type(prompt_ids).__name__}")
-    if len(prompt_ids) == 0:
+    if len(prompt_ids) == 0 and not allow_empty:
         raise ValueError("prompt_ids must hold at least one prompt, got an empty list")
     for name, v in (("n", n), ("max_new_tokens", max_new_tokens)):
         if isinstance(v, bool) or not isinstance(v, int):

@@ -231,3 +231,16 @@ def test_yaml_merge_key_is_not_a_duplicate(tmp_path):
     p.write_text("data:\n  <<: {train_batch_size: 4, max_response_length: 32}\n  train_batch_size: 8\n")
     cfg = load_config(str(p))
     assert (cfg.data.train_batch_size, cfg.data.max_response_length) == (8, 32)
+
+
+@pytest.mark.parametrize("size,match", [
+    (0, "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    # vLLM's TP runs its workers in other processes, which the in-memory weight sync cannot reach.
+    (2, r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\) must be 1, got 2"),
+])
+def test_vllm_tensor_parallel_size_checked(size, match):
+    overrides = ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}"]
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides=overrides)
+    # The embedded sampler does not read it; vLLM with the default 1 loads.
+    assert load_config(overrides=["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout.name == "vllm"

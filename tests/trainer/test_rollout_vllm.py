@@ -145,3 +145,32 @@ def test_bad_input(engine, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         engine.generate(**args)
+
+
+def _rank_engine(rank: int, root: str):
+    import torch.distributed as dist
+
+    policy = new_model(7)
+    eng = make_rollout(RolloutConfig(name="vllm", max_model_len=96, kv_cache_memory_bytes=64 << 20), policy)
+    try:
+        out = eng.generate([[1, 2, 3]], 2, 6, seed=rank)
+        eng.update_weights(_perturbed(policy))
+    finally:
+        eng.close()
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the caller's group outlived the engine
+    torch.save({"ids": out.response_ids, "total": total}, os.path.join(root, f"rank{rank}.pt"))
+
+
+@pytest.mark.multiproc
+def test_engine_per_rank_keeps_the_callers_process_group(tmp_path):
+    """Under torchrun each rank runs its engine in-process, on top of the trainer's process group;
+    vLLM's shutdown used to destroy that group."""
+    import datetime
+
+    from tests.helpers import spawn_process_group
+
+    spawn_process_group(_rank_engine, 2, str(tmp_path), timeout=datetime.timedelta(seconds=300))
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [float(r["total"]) for r in res] == [2.0, 2.0]
+    assert all(len(r["ids"]) > 0 for r in res)

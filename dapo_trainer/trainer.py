@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from typing import Dict, List, Optional
 

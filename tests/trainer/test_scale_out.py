@@ -174,7 +174,10 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict) -> None:
         for r, res in enumerate(ranks):
             counts = res[name]["collectives"]
             print(name, "rank", r, "collectives:", counts)
-            assert any(phase == "validate" for phase, _ in counts), (name, counts)
+            # Validation is split over the DP replicas: reduced when there are several (TP-sharded
+            # sampling has collectives of its own; an SP group's ranks validate the same rows alone).
+            if len(ranks) // tp_of[name] > 1:
+                assert any(phase == "validate" for phase, _ in counts), (name, counts)
             # Sequence parallel: the Ulysses all-to-alls ran in the step (and only there).
             assert any(c == "all_to_all_single" for _, c in counts) == name.startswith("sp"), (name, counts)
     assert not failures, "\n".join(failures)

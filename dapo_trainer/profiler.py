@@ -222,9 +222,14 @@ def findings(p: dict) -> List[dict]:
             "or dropped)", "keep_rate", OVERGEN_KEEP)
     if p["phase_share"]:
         phase, share = max(p["phase_share"].items(), key=lambda kv: kv[1])
+        advice = PHASE_ADVICE.get(phase, "look at this phase first")
+        u = p["micro_batch_utilisation"]
+        if phase == "update_actor" and u is not None and u < LOW_UTILISATION:
+            # The cap is not what splits the update: the mini-batches are smaller than one micro-batch.
+            advice = (f"the policy update dominates, and its micro-batches are only {u:.0%} full: fewer, larger "
+                      "mini-batches (ppo_mini_batch_size) or bfloat16 pay most")
         if share > DOMINANT_PHASE:
-            out.append({"text": f"{phase} takes {share:.0%} of the step time (> {DOMINANT_PHASE:.0%}): "
-                                f"{PHASE_ADVICE.get(phase, 'look at this phase first')}",
+            out.append({"text": f"{phase} takes {share:.0%} of the step time (> {DOMINANT_PHASE:.0%}): {advice}",
                         "measurement": f"phase_share.{phase}", "value": share, "threshold": DOMINANT_PHASE})
     u = p["micro_batch_utilisation"]
     if u is not None and u < LOW_UTILISATION:

@@ -57,6 +57,10 @@ def _round_up(x: float, to: int) -> int:
     return int(math.ceil(x / to) * to)
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def _quantile(values: List[int], q: float) -> int:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -156,13 +160,13 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
             chosen = (fsdp, tp, strategy, states, replica)
             break
     if chosen is None:
-        raise ValueError(f"{P / 1e9:.2f}B parameters need {(states + replica) / GIB:.1f} GiB per device for "
+        raise ValueError(f"{_count(P)} parameters need {(states + replica) / GIB:.1f} GiB per device for "
                          f"weights, gradients and Adam states ({strategy}, {fsdp} shard(s)"
                          f"{', with the sampler replica' if replica else ''}), over {share:.0%} of {hardware}'s "
                          f"{budget / GIB:.0f} GiB usable; pick more or larger devices or a smaller model")
     fsdp, tp, strategy, states, replica = chosen
     put("actor_rollout_ref.actor.strategy", strategy,
-        f"{P / 1e9:.2f}B parameters: weights + gradients + AdamW states = {states / GIB:.1f} GiB per device "
+        f"{_count(P)} parameters: weights + gradients + AdamW states = {states / GIB:.1f} GiB per device "
         + ("(DDP: within its share of the usable memory)" if strategy == "ddp" else
            f"sharded over {fsdp} devices (+ {replica / GIB:.1f} GiB unsharded sampler replica)"))
     put("actor_rollout_ref.actor.tensor_model_parallel_size", tp,

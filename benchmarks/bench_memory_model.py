@@ -107,8 +107,10 @@ def format_table(rows) -> str:
     lines = ["| model | params | tokens | params+grads+Adam MiB | activations MiB | loss MiB | predicted peak MiB "
              "| measured peak MiB | error |", "|---|---|---|---|---|---|---|---|---|"]
     for name, n, tokens, p, m in rows:
-        lines.append(f"| {name} | {n / 1e6:.1f}M | {tokens} | {(p['params'] + p['grads'] + p['optimizer']) / mib:.0f} | "
-                     f"{(p['activations'] + p['backward']) / mib:.0f} | {p['loss'] / mib:.0f} | {p['peak'] / mib:.0f} | "
+        states = (p["params"] + p["grads"] + p["optimizer"]) / mib
+        lines.append(f"| {name} | {n / 1e6:.1f}M | {tokens} | {states:.0f} | "
+                     f"{(p['activations'] + p['backward']) / mib:.0f} | {p['loss'] / mib:.0f} | "
+                     f"{p['peak'] / mib:.0f} | "
                      f"{m / mib:.0f} | {100 * (p['peak'] - m) / m:+.1f}% |")
     return "\n".join(lines)
 

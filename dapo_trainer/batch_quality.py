@@ -22,7 +22,7 @@ import json
 import math
 import os
 from collections import Counter, defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 # Flag thresholds (the rule texts below quote them).
 NGRAM_N = 4  # tokens per n-gram
@@ -190,7 +190,8 @@ def write_analysis(plt, rollout_dir: str, metrics: Sequence[dict], out_dir: str,
         + f"<td><code>{esc(str(x['row'].get('prompt', ''))[-80:])}</code></td>"
         + f"<td><code>{esc(str(x['row'].get('response', ''))[:160])}</code></td></tr>"
         for x in flagged[:max_table_rows])
-    more = f"<p>{len(flagged) - max_table_rows} more flagged samples not shown.</p>" if len(flagged) > max_table_rows else ""
+    more = (f"<p>{len(flagged) - max_table_rows} more flagged samples not shown.</p>"
+            if len(flagged) > max_table_rows else "")
     section = (f"<h2>Batch quality</h2><p>{len(rows)} dumped samples from {esc(os.path.abspath(rollout_dir))}; "
                f"{len(flagged)} flagged. Rules:</p><ul>{rules}</ul>"
                f"<table class='flags'><tr>{head}</tr>{body}</table>{more}")

@@ -85,7 +85,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> float
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes / tp
 
 
-def rollout_memory(cfg: ModelConfig, sequences: int, seq_len: int, *, dtype_bytes: int = 2, tp: int = 1) -> Dict[str, float]:
+def rollout_memory(cfg: ModelConfig, sequences: int, seq_len: int, *, dtype_bytes: int = 2,
+                   tp: int = 1) -> Dict[str, float]:
     """The rollout engine's weights and the KV cache of ``sequences`` sequences of ``seq_len`` tokens."""
     return {"weights": cfg.num_params() * dtype_bytes / tp,
             "kv_cache": sequences * seq_len * kv_bytes_per_token(cfg, dtype_bytes, tp)}

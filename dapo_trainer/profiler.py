@@ -29,7 +29,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 __all__ = ["run_profile", "findings", "write_html", "main"]
 
@@ -94,7 +94,7 @@ def run_profile(cfg, *, steps: Optional[int] = None, duration: Optional[float] =
     out_dir = out_dir or os.path.join(t.default_local_dir, "profile")
     os.makedirs(out_dir, exist_ok=True)
     trainer = DAPOTrainer(cfg)
-    a, d = cfg.actor_rollout_ref.actor, cfg.data
+    a = cfg.actor_rollout_ref.actor
     cap = a.ppo_max_token_len_per_gpu * a.ulysses_sequence_parallel_size if a.use_dynamic_bsz else None
 
     rec = defaultdict(list)  # what the wrappers see during the current step
@@ -211,10 +211,12 @@ def findings(p: dict) -> List[dict]:
         add(f"dynamic sampling needed {gb:.1f} generation batches per step (> {MANY_GEN_BATCHES}); only "
             f"{keep:.0%} of groups were kept, {p['all_correct_share']:.0%} all-correct and "
             f"{p['all_wrong_share']:.0%} all-wrong: the prompts are mostly too {'easy' if easy else 'hard'} "
-            f"({'raise the difficulty or drop solved prompts' if easy else 'lower the difficulty or warm-start longer'}), "
+            + ("(raise the difficulty or drop solved prompts), " if easy else
+               "(lower the difficulty or warm-start longer), ") +
             f"or raise data.gen_batch_size from {c['gen_batch_size']} to about {need} so that one batch usually fills "
             f"the step", "gen_batches_per_step", MANY_GEN_BATCHES)
-    elif keep is not None and keep > OVERGEN_KEEP and gb <= 1.0 and c["gen_batch_size"] * keep > 1.25 * c["train_batch_size"]:
+    elif (keep is not None and keep > OVERGEN_KEEP and gb <= 1.0
+          and c["gen_batch_size"] * keep > 1.25 * c["train_batch_size"]):
         need = math.ceil(1.1 * c["train_batch_size"] / keep)
         add(f"one generation batch of {c['gen_batch_size']} prompts filled each step and {keep:.0%} of its groups "
             f"were kept (> {OVERGEN_KEEP:.0%}): {c['gen_batch_size'] * keep:.0f} kept groups for a train batch of "
@@ -244,7 +246,8 @@ def findings(p: dict) -> List[dict]:
             "max_response_length (with the overlong buffer) saves KV cache and decode steps", "rollout_padding",
             HIGH_PADDING)
     if p["truncated_share"] > TRUNCATION:
-        add(f"{p['truncated_share']:.0%} of the trained responses were cut at max_response_length (> {TRUNCATION:.0%}): "
+        add(f"{p['truncated_share']:.0%} of the trained responses were cut at max_response_length "
+            f"(> {TRUNCATION:.0%}): "
             "raise data.max_response_length or enable reward_model.overlong_buffer", "truncated_share", TRUNCATION)
     if p["cuda_idle_share"] is not None and p["cuda_idle_share"] > CUDA_IDLE:
         add(f"the GPU ran no kernel for {p['cuda_idle_share']:.0%} of the traced step (> {CUDA_IDLE:.0%}): host work "
@@ -263,7 +266,8 @@ def write_html(p: dict, out_dir: str) -> str:
     esc = html.escape
     img = ""
     if _plot_timing(plt, p["per_step"], os.path.join(out_dir, "profile_timing.png")):
-        img = '<figure><img src="profile_timing.png" alt="time per phase"><figcaption>Time per phase</figcaption></figure>'
+        img = ('<figure><img src="profile_timing.png" alt="time per phase">'
+               "<figcaption>Time per phase</figcaption></figure>")
     fmt = lambda v: "n/a" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     keys = ("steps", "step_s_mean", "gen_batches_per_step", "gen_batch_s_mean", "keep_rate", "all_correct_share",
             "all_wrong_share", "rollout_tokens_per_s", "update_tokens_per_s", "rollout_padding",

@@ -125,7 +125,8 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
         why_prompt = (f"{len(lens)} dataset prompts in {unit}: p50 {_quantile(lens, 0.5)}, p99 {_quantile(lens, 0.99)},"
                       f" max {max(lens)}; p99 + 5% rounded to 64 (longer prompts: data.truncation)")
     prof = None
-    keep, why_keep = task["keep"], f"assumed keep rate {task['keep']:.0%} ({task_type} prior; pass --profile to measure it)"
+    keep = task["keep"]
+    why_keep = f"assumed keep rate {keep:.0%} ({task_type} prior; pass --profile to measure it)"
     if profile:
         with open(profile) as f:
             prof = json.load(f)
@@ -138,7 +139,8 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
         prompt_len, response_len = min(prompt_len, 256), min(response_len, 256)
     put("data.max_prompt_length", prompt_len, why_prompt)
     put("data.max_response_length", response_len,
-        (f"the profile cut {prof['truncated_share']:.0%} of responses at {prof['config']['max_response_length']}: doubled"
+        (f"the profile cut {prof['truncated_share']:.0%} of responses at "
+         f"{prof['config']['max_response_length']}: doubled"
          if prof and prof.get("truncated_share", 0) > 0.05 else f"{task_type} prior")
         + ("; capped at 256 for CPU debugging" if hardware == "cpu" else ""))
     seq = prompt_len + response_len
@@ -190,7 +192,8 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     why_ckpt = f"without checkpointing {cap} tokens per micro-batch fit, >= 4 sequences of {seq}"
     if cap < 4 * seq:
         ckpt, cap = True, max_tokens(True, False, 1)
-        why_ckpt = f"without it only {max_tokens(False, False, 1)} tokens per micro-batch fit (< 4 x {seq}); with it {cap}"
+        why_ckpt = (f"without it only {max_tokens(False, False, 1)} tokens per micro-batch fit (< 4 x {seq}); "
+                    f"with it {cap}")
     if cap < seq:
         offload, cap = True, max_tokens(True, True, 1)
     while cap < seq and sp < world and world % (sp * 2) == 0:
@@ -230,14 +233,16 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
         max_gen = 1
         while fill_probability(gen_bs, keep, train_bs, max_gen) < FILL_PROBABILITY:
             max_gen += 1
-        why_gen = f"train_batch_size / keep rate x 1.1 = {train_bs} / {keep:.2f} x 1.1, rounded to a multiple of DP={dp}; {why_keep}"
+        why_gen = (f"train_batch_size / keep rate x 1.1 = {train_bs} / {keep:.2f} x 1.1, rounded to a multiple of "
+                   f"DP={dp}; {why_keep}")
         why_max = (f"{max_gen} batches fill a step with probability >= {FILL_PROBABILITY} at keep rate {keep:.2f} "
                    f"(binomial); doubled to {2 * max_gen} for the keep rate falling as the policy improves")
         max_gen *= 2
     put("data.train_batch_size", train_bs, f"prompt groups per step: {16 if hardware != 'cpu' else 1} per device, at "
         "least 32, a multiple of DP" if hardware != "cpu" else "CPU debugging: 4 prompt groups per step")
     put("data.gen_batch_size", gen_bs, why_gen)
-    put("algorithm.filter_groups.enable", True, "DAPO dynamic sampling: groups whose reward does not vary teach nothing")
+    put("algorithm.filter_groups.enable", True,
+        "DAPO dynamic sampling: groups whose reward does not vary teach nothing")
     put("algorithm.filter_groups.max_num_gen_batches", max_gen, why_max)
     mini = max(1, train_bs // 4)
     while train_bs % mini:
@@ -279,7 +284,8 @@ def to_yaml(values: List[Tuple[str, object, str]], header: str) -> str:
             opened.append(parts[depth])
         pad = "  " * (len(parts) - 1)
         lines.append(f"{pad}# {reason}")
-        lines.append(f"{pad}{parts[-1]}: {yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+        text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        lines.append(f"{pad}{parts[-1]}: {text}")
     return "\n".join(lines) + "\n"
 
 

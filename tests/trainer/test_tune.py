@@ -69,7 +69,8 @@ def test_profile_keep_rate_sets_gen_batch(tmp_path):
     assert "measured keep rate 25%" in v["data.gen_batch_size"][1]
     assert v["data.max_response_length"][0] == 4096  # 20% truncated at 2048: doubled
     n = v["algorithm.filter_groups.max_num_gen_batches"][0] // 2
-    assert tune.fill_probability(568, 0.25, 128, n) >= tune.FILL_PROBABILITY > tune.fill_probability(568, 0.25, 128, n - 1)
+    fill = [tune.fill_probability(568, 0.25, 128, k) for k in (n - 1, n)]
+    assert fill[1] >= tune.FILL_PROBABILITY > fill[0]
 
 
 def test_fill_probability_matches_sampling():
@@ -94,7 +95,8 @@ def test_bad_input(tmp_path):
 @pytest.mark.slow
 def test_memory_model_matches_cpu_peak():
     """The two smallest sizes of benchmarks/bench_memory_model.py (the 4-size table is in RESULTS.md)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks", "bench_memory_model.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "benchmarks", "bench_memory_model.py")
     spec = importlib.util.spec_from_file_location("bench_memory_model", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -64,3 +64,16 @@ def test_findings_rules():
     # at the thresholds nothing fires
     assert profiler.findings(_summary(gen_batches_per_step=1.5, phase_share={"gen": 0.5}, micro_batch_utilisation=0.6,
                                       rollout_padding=0.5, truncated_share=0.05, cuda_idle_share=0.3)) == []
+
+
+def test_cuda_idle_share_merges_overlapping_kernels():
+    """The interval union of CUDA events (µs) over the step's wall time; CPU events are ignored."""
+    from types import SimpleNamespace as NS
+
+    def ev(kind, start, end):
+        return NS(device_type=NS(name=kind), time_range=NS(start=start, end=end))
+
+    events = [ev("CUDA", 0, 100), ev("CUDA", 50, 150), ev("CPU", 0, 1000), ev("CUDA", 400, 500), ev("CUDA", 420, 480)]
+    prof = NS(events=lambda: events)
+    assert abs(profiler._cuda_idle_share(prof, 1000e-6) - 0.75) < 1e-12  # busy 150 + 100 of 1000 µs
+    assert profiler._cuda_idle_share(NS(events=lambda: []), 1.0) == 1.0

@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # Tests run in parallel on the 2 cores; interpreted Triton is CPU-bound Python.
 TEST_WORKERS ?= 2
 
-.PHONY: all install demo demo-dialog test test-vllm vllm-install bench bench-deps clean
+.PHONY: all install demo demo-dialog test test-vllm vllm-install browser bench bench-deps clean
 
 all: install
 
@@ -42,7 +42,14 @@ demo-dialog: install
 ablation: install
 	$(PY) -m dapo_trainer.demo.ablation
 
-test: install vllm-install
+# The report's headless-browser test (tests/trainer/test_batch_quality.py) drives Debian's chromium;
+# where it cannot be installed that test is skipped with the reason printed.
+browser:
+	command -v chromium >/dev/null || { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 || \
+	  echo "chromium could not be installed: the browser test will be skipped"; }
+
+test: install vllm-install browser
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600 -m "not vllm"
 	$(MAKE) test-vllm
 

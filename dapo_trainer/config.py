@@ -237,6 +237,11 @@ class TrainerConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "npu"
     logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
     progress_bar: bool = True
+    # verl's key: a directory where every step writes its sampled rollouts as {step}.jsonl (None: off);
+    # read by ``dapo-report RUN_DIR --analysis batch_quality`` (dapo_trainer.batch_quality).
+    rollout_data_dir: Optional[str] = None
+    # Rows per step in that dump: whole groups, spread over the step's generation batches.
+    rollout_data_max_rows: int = 64
     project_name: str = "dapo"
     experiment_name: str = "run"
 
@@ -500,7 +505,8 @@ def validate(cfg: Config) -> Config:
                    ("actor_rollout_ref.actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
                    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", a.ulysses_sequence_parallel_size),
                    ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps),
-                   ("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)):
+                   ("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps),
+                   ("trainer.rollout_data_max_rows", cfg.trainer.rollout_data_max_rows)):
         _require(v >= 1, key, f"must be >= 1, got {v}")
     _require(d.gen_batch_size is None or d.gen_batch_size >= 1, "data.gen_batch_size",
              f"must be >= 1, got {d.gen_batch_size}")

@@ -4,6 +4,11 @@ Plots (each only when the run logged its metrics): reward and accuracy (train an
 held-out), keep rate and generation batches per step, response length (per-step range
 and the distribution of per-step means), clip fractions, entropy, and time per phase.
 Writes ``RUN_DIR/report/index.html`` and its PNGs; returns / prints the HTML path.
+
+``--analysis batch_quality`` adds the section of :mod:`dapo_trainer.batch_quality`, read from
+the rollouts the trainer dumped (``trainer.rollout_data_dir``; default ``RUN_DIR/rollout_data``).
+The page refers to its PNGs by relative path, so it opens from disk without a server; a
+script marks every image that fails to load (``data-state="broken"`` and a red outline).
 """
 from __future__ import annotations
 
@@ -53,18 +58,35 @@ PANELS = [
     ("reward", "Reward and accuracy", "value", [
         ("critic/score/mean", "train score"), ("critic/rewards/mean", "train reward (after overlong penalty)"),
         ("acc/mean", "train acc"), ("val/acc", "held-out acc (greedy)"), ("val/score", "held-out score")]),
-    ("sampling", "Dynamic sampling: keep rate", "fraction of groups", [
-        ("train/keep_rate", "keep rate"),
-        ("train/all_correct_groups", "all-correct groups (count)"), ("train/all_wrong_groups", "all-wrong groups (count)")]),
-    ("gen_batches", "Generation batches per step", "batches", [("train/num_gen_batches", "gen batches")]),
+    # Fractions of the step's freshly generated groups, all on one 0-1 axis (the counts are
+    # divided by train/seen_groups in _with_fractions).
+    ("sampling", "Dynamic sampling: groups kept / all-correct / all-wrong", "fraction of generated groups", [
+        ("train/keep_rate", "kept (reward varies in the group)"),
+        ("train/all_correct_frac", "all-correct"), ("train/all_wrong_frac", "all-wrong")]),
+    ("gen_batches", "Generation batches per step", "generation batches", [("train/num_gen_batches", "gen batches")]),
     ("length", "Response length", "tokens", [
         ("response_length/mean", "mean"), ("response_length/max", "max"), ("response_length/min", "min")]),
     ("clip", "Clip fractions", "fraction of tokens", [
         ("actor/pg_clipfrac", "pg_clipfrac (upper)"), ("actor/pg_clipfrac_lower", "pg_clipfrac_lower (dual clip)"),
         ("response_length/clip_ratio", "responses cut at max length")]),
-    ("entropy", "Policy entropy and KL", "nats", [("actor/entropy", "entropy"), ("actor/ppo_kl", "ppo_kl"),
+    ("entropy", "Policy entropy and KL", "nats per token", [("actor/entropy", "entropy"), ("actor/ppo_kl", "ppo_kl"),
                                                   ("actor/kl_loss", "kl_loss")]),
 ]
+
+
+def _with_fractions(rows: List[dict]) -> List[dict]:
+    """Rows with all-correct / all-wrong group counts also as fractions of the step's seen groups.
+    A step that generated nothing (carried-over groups filled it) has no keep rate to draw."""
+    out = []
+    for r in rows:
+        seen = r.get("train/seen_groups")
+        if seen == 0:
+            r = {k: v for k, v in r.items() if k != "train/keep_rate"}
+        elif isinstance(seen, (int, float)) and seen > 0:
+            r = dict(r, **{f"train/all_{w}_frac": r[f"train/all_{w}_groups"] / seen
+                           for w in ("correct", "wrong") if isinstance(r.get(f"train/all_{w}_groups"), (int, float))})
+        out.append(r)
+    return out
 
 
 def _plot_lines(plt, rows, title, ylabel, keys, path) -> bool:
@@ -133,14 +155,28 @@ def _summary(rows: List[dict]) -> List[tuple]:
     return out
 
 
-def write_report(run_dir: str, out_dir: Optional[str] = None) -> str:
-    """Render the report of ``run_dir``; returns the path of ``index.html``."""
+ANALYSES = ("batch_quality",)
+# Marks each image as loaded or broken once the page has loaded (a browser test reads the marks).
+_IMG_CHECK = ("<script>window.addEventListener('load',function(){document.querySelectorAll('img').forEach("
+              "function(i){var ok=i.complete&&i.naturalWidth>0;i.dataset.state=ok?'ok':'broken';"
+              "if(!ok){i.style.outline='3px solid red';}});document.body.dataset.images='checked';});</script>")
+
+
+def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence[str] = (),
+                 rollout_dir: Optional[str] = None) -> str:
+    """Render the report of ``run_dir``; returns the path of ``index.html``.
+
+    ``analyses``: extra sections (:data:`ANALYSES`); ``rollout_dir``: the rollout dump the
+    ``batch_quality`` analysis reads (default ``run_dir/rollout_data``)."""
+    bad = [a for a in analyses if a not in ANALYSES]
+    if bad:
+        raise ValueError(f"analysis must be one of {ANALYSES}, got {bad}")
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a training box
     import matplotlib.pyplot as plt
 
-    rows = load_metrics(run_dir)
+    rows = _with_fractions(load_metrics(run_dir))
     out_dir = out_dir or os.path.join(run_dir, "report")
     os.makedirs(out_dir, exist_ok=True)
     figures = []
@@ -152,14 +188,23 @@ def write_report(run_dir: str, out_dir: Optional[str] = None) -> str:
     if _plot_timing(plt, rows, os.path.join(out_dir, "timing.png")):
         figures.append(("timing", "Time per phase"))
 
+    sections = ""
+    if "batch_quality" in analyses:
+        from . import batch_quality
+
+        figs, sections = batch_quality.write_analysis(plt, rollout_dir or os.path.join(run_dir, "rollout_data"),
+                                                      rows, out_dir)
+        figures += figs
     esc = html.escape
     summary = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _summary(rows))
     body = "".join(f'<figure><img src="{n}.png" alt="{esc(t)}"><figcaption>{esc(t)}</figcaption></figure>'
                    for n, t in figures)
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>DAPO run {esc(run_dir)}</title>"
             "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
-            "th{text-align:left;padding-right:1em}</style></head>"
-            f"<body><h1>DAPO run: {esc(os.path.abspath(run_dir))}</h1><table>{summary}</table>{body}</body></html>")
+            "th{text-align:left;padding-right:1em}table.flags{border-collapse:collapse;font-size:85%}"
+            "table.flags td,table.flags th{border:1px solid #ccc;padding:2px 4px;vertical-align:top}</style></head>"
+            f"<body><h1>DAPO run: {esc(os.path.abspath(run_dir))}</h1><table>{summary}</table>{body}{sections}"
+            f"{_IMG_CHECK}</body></html>")
     path = os.path.join(out_dir, "index.html")
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -172,9 +217,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="dapo-report", description="HTML report with plots of a DAPO run")
     p.add_argument("run_dir", help="the trainer's run directory (trainer.default_local_dir)")
     p.add_argument("-o", "--out", default=None, help="output directory (default RUN_DIR/report)")
+    p.add_argument("--analysis", action="append", default=[], choices=ANALYSES,
+                   help="extra section: batch_quality (flagged samples and reward / length panels from the "
+                        "rollouts dumped by trainer.rollout_data_dir)")
+    p.add_argument("--rollout-dir", default=None, help="the rollout dump (default RUN_DIR/rollout_data)")
     args = p.parse_args(argv)
     try:
-        print(write_report(args.run_dir, args.out))
+        print(write_report(args.run_dir, args.out, args.analysis, args.rollout_dir))
     except ValueError as e:
         sys.exit(f"dapo-report: {e}")
 

@@ -316,7 +316,7 @@ class DAPOTrainer:
     def _sample_share(self, idx: List[int], rows: List[dict], offset: int, seed: int):
         """Sample, reward and measure this data-parallel replica's share of a generation batch
         (rows ``idx`` of the data, from index ``offset`` of the batch). Returns ``(table,
-        local_tokens, timing, turn_stats)``: one float64 row per response, prompt ids, response
+        local_tokens, timing, turn_stats, reward components)``: one float64 row per response, prompt ids, response
         ids, log-probs and sampled-token mask padded to ``data.max_prompt_length`` /
         ``max_response_length``, then the columns of :data:`_SHARE_COLUMNS`."""
         d, r = self.cfg.data, self.rollout_cfg
@@ -324,7 +324,7 @@ class DAPOTrainer:
         table = torch.zeros(len(rows) * r.n, P + 3 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
         if not rows:  # more replicas than prompts: this one only receives
             self._join_lockstep(R)
-            return table, 0, {"gen": 0.0, "reward": 0.0}, {}
+            return table, 0, {"gen": 0.0, "reward": 0.0}, {}, []
         t0 = time.perf_counter()
         out, prompts = self._rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
                                      seed, offset)
@@ -357,7 +357,7 @@ class DAPOTrainer:
         prompt_len = torch.tensor([len(prompts[g]) for g in out.group_index.tolist()], dtype=torch.float64)
         table[:, P + 3 * R:] = torch.stack([prompt_len, lengths.double(), stop, score, acc, final, metric, failed], 1)
         turn_stats = out.turn_stats() if self.env is not None else {}
-        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}, turn_stats
+        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}, turn_stats, comps
 
     def _gather_shares(self, table: torch.Tensor, rows_per_replica: List[int]) -> torch.Tensor:
         """Every replica's share table, in replica order (one all-gather over the DP group, on its
@@ -386,7 +386,7 @@ class DAPOTrainer:
         bounds = [B * q // self.dp for q in range(self.dp + 1)]
         q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
         lo, hi = bounds[q], bounds[q + 1]
-        share, local_tokens, timing, turn_stats = self._sample_share(
+        share, local_tokens, timing, turn_stats, comps = self._sample_share(
             idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self._seed(step, k))
         t0 = time.perf_counter()
         table = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(self.dp)])
@@ -411,16 +411,19 @@ class DAPOTrainer:
         timing["filter"] = time.perf_counter() - t2
         return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric.clone(),
                 "turn_stats": turn_stats, "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()),
-                "local_tokens": local_tokens}
+                "local_tokens": local_tokens, "components": {lo * n + i: c for i, c in enumerate(comps)}}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
         # A step whose train batch the carried-over groups fill generates nothing: its timings are 0, not missing.
         timing, tokens, local_tokens, k = dict.fromkeys(("gen", "reward", "filter"), 0.0), 0, 0, 0
         turn_stats = defaultdict(float)
+        dump = [] if self.cfg.trainer.rollout_data_dir and self.rank == 0 else None
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
+            if dump is not None:
+                dump.append(gb)
             for key, v in gb["turn_stats"].items():
                 turn_stats[key] += v
             for key, v in gb["timing"].items():
@@ -430,6 +433,8 @@ class DAPOTrainer:
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
+        if dump:
+            self._dump_rollouts(step, dump)
         fg = self.cfg.algorithm.filter_groups
         batch = self.accumulator.take(fg.prefer, "response_len", seed=self._seed(step, -2))
         am = self.accumulator.last_metrics
@@ -450,6 +455,29 @@ class DAPOTrainer:
         metrics.update({key: v / k if not key.endswith("tokens") and key != "dialog/env_errors" else v
                         for key, v in turn_stats.items()})
         return batch, metrics
+
+    def _dump_rollouts(self, step: int, gbs: List[dict]) -> None:
+        """Write ``trainer.rollout_data_dir/{step}.jsonl`` (format: :mod:`dapo_trainer.batch_quality`)."""
+        from . import batch_quality
+
+        t, n = self.cfg.trainer, self.rollout_cfg.n
+        rows = []
+        picks = batch_quality.spread_groups([len(gb["keep"]) // n for gb in gbs], n, t.rollout_data_max_rows)
+        for k, g in picks:
+            gb = gbs[k]
+            x = gb["tensors"]
+            for j in range(g * n, (g + 1) * n):
+                pl, rl = int(x["prompt_len"][j]), int(x["response_len"][j])
+                ids = x["response_ids"][j, :rl].tolist()
+                comps = {c: v for c, v in gb["components"].get(j, {}).items() if isinstance(v, (int, float, str))}
+                rows.append({"step": step, "gen_batch": k, "group": g, "sample": j - g * n,
+                             "prompt": self.tokenizer.decode(x["prompt_ids"][j, :pl].tolist()),
+                             "response": self.tokenizer.decode(ids), "response_ids": ids, "response_length": rl,
+                             "finish_reason": "length" if bool(x["truncated"][j]) else "stop",
+                             "score": float(x["score"][j]), "acc": float(x["acc"][j]),
+                             "reward": float(x["reward"][j]), "filter_metric": float(gb["metric"][j]),
+                             "components": comps, "kept": bool(gb["keep"][j])})
+        batch_quality.write_step(t.rollout_data_dir, step, rows)
 
     # ------------------------------------------------------------------ update
     def _plan(self, batch) -> List[dict]:

@@ -1,0 +1,92 @@
+"""Per-device memory of a DAPO step with this trainer: what ``dapo-tune`` plans with.
+
+:func:`train_memory` counts, for one rank of the update (bytes):
+
+* ``params``, ``grads``: the parameters and their gradients in the training dtype, divided over
+  TP ranks and, under FSDP, over the FSDP ranks;
+* ``optimizer``: AdamW's two moments in the parameter dtype (torch keeps them so);
+* ``optimizer_step``: the AdamW step's temporaries: one parameter-sized tensor list with the
+  foreach implementation (torch's default on CUDA), one tensor's worth with the per-tensor loop
+  (its default on the CPU);
+* ``activations``: what autograd keeps for a micro-batch of ``tokens`` tokens. Per layer and token,
+  the layer input, the two RMSNorms' normalised values and outputs, the attention residual
+  (6 H), q and k after RoPE (RoPE's products by cos / sin keep only cos / sin), v and the attention
+  output (2 q + 2 kv: q = heads x head_dim, kv = kv_heads x head_dim), gate, up, silu(gate) and
+  their product (4 I);
+  the embedding and final norm add 3 H and RoPE's cos / sin 2 head_dim. With activation
+  checkpointing a layer keeps only its input (H), and one layer is recomputed at a time in the
+  backward; activation offload moves the kept inputs to host memory;
+* ``backward``: the gradient of the residual stream entering the backward (2 H per token);
+* ``loss``: the fused loss (dk.fused_linear_policy_loss, torch path): the fp32 weight gradient
+  [V, H] and hidden gradient [tokens, H] it computes in the forward, and its logits workspace,
+  two fp32 [C, V] buffers plus one [C, V] gradient chunk, C = min(tokens, 64 MiB / (8 V)) rows.
+
+The peak is the larger of two moments: the start of the backward, ``params + optimizer +
+activations + backward + loss`` (gradients are set to None after each step, so they grow as the
+backward frees activations: with one micro-batch per mini-batch they have not been allocated yet),
+and the optimizer step, ``params + grads + optimizer + optimizer_step``. With several micro-batches
+per mini-batch the gradients of the earlier ones are there at the later ones' backward:
+``micro_batches > 1`` adds ``grads`` to the first moment. Sequence parallelism divides the tokens a rank
+holds by its size. :func:`rollout_memory` counts the rollout engine: its weights and the KV cache
+of the sequences generated at once. ``benchmarks/bench_memory_model.py`` checks the training side
+against the peak measured on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from .model import ModelConfig
+
+LOSS_CHUNK_BYTES = 64 << 20  # dapo_kernels' TORCH_CHUNK_BYTES: the fused loss' fp32 logits per chunk
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Parallel:
+    tp: int = 1
+    fsdp: int = 1  # ranks the parameters, gradients and optimizer states are sharded over
+    sp: int = 1
+
+
+def activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, checkpointing: bool) -> Dict[str, float]:
+    """``{"kept": bytes per token kept for the backward, "layer": one layer's full set}``."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    layer = (6 * H + 2 * q + 2 * kv + 4 * I) * dtype_bytes
+    outer = (3 * H + 2 * D) * dtype_bytes
+    kept = cfg.num_layers * (H * dtype_bytes if checkpointing else layer) + outer
+    return {"kept": kept, "layer": layer}
+
+
+def train_memory(cfg: ModelConfig, tokens: int, *, dtype: str = "float32", checkpointing: bool = False,
+                 offload: bool = False, par: Parallel = Parallel(), micro_batches: int = 1,
+                 foreach: bool = True) -> Dict[str, float]:
+    """Bytes per rank of one update step on micro-batches of ``tokens`` tokens (see the module doc)."""
+    b = DTYPE_BYTES[dtype]
+    P = cfg.num_params() / (par.tp * par.fsdp)
+    t = -(-tokens // par.sp)  # tokens this rank holds
+    V, H = cfg.vocab_size / par.tp, cfg.hidden_size
+    act = activation_bytes_per_token(cfg, b, checkpointing)
+    kept = act["kept"] - (cfg.num_layers * H * b if offload and checkpointing else 0)
+    activations = t * kept + (t * act["layer"] if checkpointing else 0)
+    rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
+    largest = max(V * H, cfg.intermediate_size * H / par.tp) / par.fsdp  # the embedding or an MLP matrix
+    out = {"params": P * b, "grads": P * b, "optimizer": 2 * P * b, "optimizer_step": (P if foreach else largest) * b,
+           "activations": activations, "backward": t * 2 * H * b,
+           "loss": 4 * V * H + 4 * t * H + 3 * 4 * rows * V}
+    backward = (out["params"] + out["optimizer"] + out["activations"] + out["backward"] + out["loss"]
+                + (out["grads"] if micro_batches > 1 else 0))
+    out["peak"] = max(backward, out["params"] + out["grads"] + out["optimizer"] + out["optimizer_step"])
+    return out
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> float:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes / tp
+
+
+def rollout_memory(cfg: ModelConfig, sequences: int, seq_len: int, *, dtype_bytes: int = 2,
+                   tp: int = 1) -> Dict[str, float]:
+    """The rollout engine's weights and the KV cache of ``sequences`` sequences of ``seq_len`` tokens."""
+    return {"weights": cfg.num_params() * dtype_bytes / tp,
+            "kv_cache": sequences * seq_len * kv_bytes_per_token(cfg, dtype_bytes, tp)}

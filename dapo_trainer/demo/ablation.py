@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -49,7 +48,7 @@ from . import DEFAULT_CONFIG, ablation_reward, read_metrics
 from .arithmetic import TaskConfig
 from .assets import DemoConfig, build_demo
 
-__all__ = ["FAMILY", "TASKS", "AblationTask", "make_rows", "run_ablation", "summarize", "main"]
+__all__ = ["FAMILY", "TASKS", "AblationTask", "make_rows", "run_ablation", "main"]
 
 FAMILY = DemoConfig(seed=0, task=TaskConfig(sort_len=(1, 12)), num_val=10, warm_start_descending=0.6,
                     warm_start_verbose=0.4)
@@ -83,7 +82,7 @@ TASKS = (
                  ("actor_rollout_ref.actor.clip_ratio_high=0.2",), "actor/entropy", "policy entropy (nats/token)",
                  data_source="sort_rare"),
     AblationTask("length", "token-level loss", (("2-3", (2, 3), 0.5, 48), ("9-11", (9, 11), 0.5, 48)), 24,
-                 ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",), "acc/mean", "train accuracy"),
+                 ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",), "acc/mean", "train accuracy (both lengths)"),
     AblationTask("truncation", "overlong shaping", (("4-7", (4, 7), 1.0, 96),), 12,
                  ("reward_model.overlong_buffer.enable=false",), "train/gen_truncated_frac",
                  "share of sampled responses truncated"),
@@ -223,69 +222,6 @@ def _batch(config: str, overrides: Sequence[str]) -> Tuple[int, int]:
     return cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
 
 
-# Two-sided 95% Student t quantiles by degrees of freedom (1..10); beyond that, the normal's.
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-
-
-def mean_ci(values: Sequence[float]) -> Tuple[float, float]:
-    """Mean and the half-width of its 95% t interval (nan for a single value)."""
-    n = len(values)
-    m = sum(values) / n
-    if n < 2:
-        return m, float("nan")
-    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
-    return m, (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
-
-
-def _metric_summary(task: dict, run: dict) -> float:
-    """The targeted metric of one run as one number: for entropy its last step, for the
-    truncation rate and the effective batch the mean over the run's steps."""
-    rows = [r for r in read_metrics(run["run_dir"]) if task["metric"] in r]
-    vals = [r[task["metric"]] for r in rows]
-    if not vals:
-        return float("nan")
-    return vals[-1] if task["metric"] == "actor/entropy" else sum(vals) / len(vals)
-
-
-def summarize(result: dict) -> List[dict]:
-    """One row per task and rung: mean and 95% interval of the final held-out accuracy per
-    bucket (and overall) and of the targeted metric, over the seeds."""
-    rows = []
-    for task in result["tasks"]:
-        for with_ in (False, True):
-            runs = [r for r in result["runs"] if r["task"] == task["name"] and r["with"] == with_]
-            if not runs:
-                continue
-            acc = {b: mean_ci([r["after"][b] for r in runs]) for b in task["buckets"]}
-            overall = mean_ci([sum(r["after"].values()) / len(r["after"]) for r in runs])
-            rows.append({"task": task["name"], "component": task["component"], "with": with_,
-                         "rung": ("DAPO" if with_ else f"DAPO - {task['component']}"),
-                         "steps": round(sum(r["steps"] for r in runs) / len(runs)),
-                         "samples": round(sum(r["samples"] for r in runs) / len(runs)),
-                         "before": sum(sum(r["before"].values()) / len(r["before"]) for r in runs) / len(runs),
-                         "acc": overall, "acc_by_bucket": acc, "metric": task["metric"],
-                         "metric_label": task["metric_label"],
-                         "metric_value": mean_ci([_metric_summary(task, r) for r in runs]), "seeds": len(runs)})
-    return rows
-
-
-def _pm(m: float, h: float, scale: float = 100.0, fmt: str = ".1f") -> str:
-    return f"{scale * m:{fmt}}" + ("" if math.isnan(h) else f" ± {scale * h:{fmt}}")
-
-
-def format_table(rows: List[dict]) -> str:
-    """A Markdown table of :func:`summarize`'s rows."""
-    lines = ["| task (component) | rung | steps | samples | held-out acc % (95% CI) | by bucket % | targeted metric |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        buckets = ", ".join(f"{b}: {_pm(*v, fmt='.0f')}" for b, v in r["acc_by_bucket"].items()) \
-            if len(r["acc_by_bucket"]) > 1 else ""
-        metric = f"{r['metric_label']}: {_pm(*r['metric_value'], scale=1.0, fmt='.3g')}"
-        lines.append(f"| {r['task']} ({r['component']}) | {r['rung']} | {r['steps']} | {r['samples']} | "
-                     f"{_pm(*r['acc'])} (before {100 * r['before']:.1f}) | {buckets} | {metric} |")
-    return "\n".join(lines)
-
-
 def main(argv: Optional[List[str]] = None) -> List[dict]:
     p = argparse.ArgumentParser(prog="python -m dapo_trainer.demo.ablation", description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0,1,2,3,4)")
@@ -312,12 +248,12 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     torch.set_num_threads(args.threads)
     result = run_ablation(args.run_dir, seeds, args.steps, tasks=[t for t in args.tasks.split(",") if t],
                           config=args.config, cache_dir=args.cache_dir, overrides=args.overrides)
-    rows = summarize(result)
-    print(f"\nDAPO ablation, seeds {seeds}: mean ± 95% t interval of the final greedy held-out accuracy\n")
-    print(format_table(rows))
-    if not args.no_report:
-        from ..report import write_report
+    from ..report import ablation_summary, ablation_table, write_report
 
+    rows = ablation_summary(result)
+    print(f"\nDAPO ablation, seeds {seeds}: mean ± 95% t interval of the final greedy held-out accuracy\n")
+    print(ablation_table(rows))
+    if not args.no_report:
         print(f"report: {write_report(args.run_dir)}")
     print(f"wall time: {result['seconds']:.0f} s (warm start {'built' if result['warm_start_built'] else 'cached'}"
           f", {result['warm_start_seconds']:.0f} s)")

@@ -100,9 +100,10 @@ def test_rung_settings_remove_exactly_one_component():
         with_ = load_config(ablation.DEFAULT_CONFIG, ablation.DAPO + list(task.common))
         without = load_config(ablation.DEFAULT_CONFIG, ablation.DAPO + list(task.common) + list(task.without))
         a, b = with_.actor_rollout_ref.actor, without.actor_rollout_ref.actor
+        ob_a, ob_b = with_.reward_model.overlong_buffer, without.reward_model.overlong_buffer
         diff = {"clip-higher": (a.clip_ratio_high, b.clip_ratio_high),
                 "token-level loss": (a.loss_agg_mode, b.loss_agg_mode),
-                "overlong shaping": (with_.reward_model.overlong_buffer.enable, without.reward_model.overlong_buffer.enable),
+                "overlong shaping": (ob_a.enable, ob_b.enable),
                 "dynamic sampling": (with_.algorithm.filter_groups.enable, without.algorithm.filter_groups.enable)}
         changed = [k for k, (x, y) in diff.items() if x != y]
         assert changed == [task.component], task.name

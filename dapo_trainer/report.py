@@ -171,13 +171,14 @@ def ablation_summary(result: dict) -> List[dict]:
             if not runs:
                 continue
             acc = {b: mean_ci([r["after"][b] for r in runs]) for b in task["buckets"]}
+            before = {b: sum(r["before"][b] for r in runs) / len(runs) for b in task["buckets"]}
             overall = mean_ci([sum(r["after"].values()) / len(r["after"]) for r in runs])
             rows.append({"task": task["name"], "component": task["component"], "with": with_,
                          "rung": ("DAPO" if with_ else f"DAPO - {task['component']}"),
                          "steps": round(sum(r["steps"] for r in runs) / len(runs)),
                          "samples": round(sum(r["samples"] for r in runs) / len(runs)),
                          "before": sum(sum(r["before"].values()) / len(r["before"]) for r in runs) / len(runs),
-                         "acc": overall, "acc_by_bucket": acc, "metric": task["metric"],
+                         "acc": overall, "acc_by_bucket": acc, "before_by_bucket": before, "metric": task["metric"],
                          "metric_label": task["metric_label"],
                          # first step, last step, mean over steps: each a mean and 95% interval over seeds
                          "metric_value": [mean_ci(list(v)) for v in zip(*(_metric_summary(task, r) for r in runs))],
@@ -191,11 +192,11 @@ def _pm(m: float, h: float, scale: float = 100.0, fmt: str = ".1f") -> str:
 
 def _ablation_cells(rows: List[dict]) -> List[List[str]]:
     """The header and one list of cells per row of :func:`ablation_summary`."""
-    out = [["task (component)", "rung", "steps", "samples", "held-out acc % (95% CI)", "by bucket %",
+    out = [["task (component)", "rung", "steps", "samples", "held-out acc % (95% CI)", "by bucket %: before -> after",
             "targeted metric"]]
     for r in rows:
-        buckets = ", ".join(f"{b}: {_pm(*v, fmt='.0f')}" for b, v in r["acc_by_bucket"].items()) \
-            if len(r["acc_by_bucket"]) > 1 else ""
+        buckets = ", ".join(f"{b}: {100 * r['before_by_bucket'][b]:.0f} -> {_pm(*v, fmt='.0f')}"
+                            for b, v in r["acc_by_bucket"].items()) if len(r["acc_by_bucket"]) > 1 else ""
         out.append([f"{r['task']} ({r['component']})", r["rung"], str(r["steps"]), str(r["samples"]),
                     f"{_pm(*r['acc'])} (before {100 * r['before']:.1f})", buckets,
                     f"{r['metric_label']}: step 1 {_pm(*r['metric_value'][0], scale=1.0, fmt='.3g')}, last "

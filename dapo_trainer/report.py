@@ -82,12 +82,18 @@ def _plot_lines(plt, rows, title, ylabel, keys, path) -> bool:
             drawn = True
     if drawn:
         ax.set(title=title, xlabel="step", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
+        _save(fig, [ax], path)
     plt.close(fig)
     return drawn
+
+
+def _save(fig, axes, path: str) -> None:
+    """Grid and legend on each of ``axes``, then write ``fig`` to ``path``."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def _plot_length_hist(plt, rows, path) -> bool:
@@ -246,10 +252,7 @@ def _plot_ablation(plt, result: dict, task: dict, path: str) -> bool:
         axes[1].set(title=f"{task['name']}: held-out accuracy (greedy)", ylabel="val/acc")
         for ax in axes:
             ax.set_xlabel(f"generated responses (mean of {len(result['seeds'])} seeds)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
+        _save(fig, axes, path)
     plt.close(fig)
     return drawn
 

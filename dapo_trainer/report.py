@@ -9,17 +9,21 @@ Writes ``RUN_DIR/report/index.html`` and its PNGs; returns / prints the HTML pat
 the rollouts the trainer dumped (``trainer.rollout_data_dir``; default ``RUN_DIR/rollout_data``).
 The page refers to its PNGs by relative path, so it opens from disk without a server; a
 script marks every image that fails to load (``data-state="broken"`` and a red outline).
+A directory of ``python -m dapo_trainer.demo.ablation`` (it holds ``ablation.json``) gets
+the ablation's table and, per task, its rungs side by side: the targeted metric and the
+held-out accuracy against the generated responses, means over the seeds.
 """
 from __future__ import annotations
 
 import argparse
 import html
 import json
+import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["load_metrics", "write_report", "main"]
+__all__ = ["load_metrics", "write_report", "ablation_summary", "ablation_table", "main"]
 
 
 def load_metrics(run_dir: str) -> List[dict]:
@@ -99,12 +103,18 @@ def _plot_lines(plt, rows, title, ylabel, keys, path) -> bool:
             drawn = True
     if drawn:
         ax.set(title=title, xlabel="step", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
+        _save(fig, [ax], path)
     plt.close(fig)
     return drawn
+
+
+def _save(fig, axes, path: str) -> None:
+    """Grid and legend on each of ``axes``, then write ``fig`` to ``path``."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def _plot_length_hist(plt, rows, path) -> bool:
@@ -155,6 +165,140 @@ def _summary(rows: List[dict]) -> List[tuple]:
     return out
 
 
+# --------------------------------------------------------------------------- ablation
+# Two-sided 95% Student t quantiles by degrees of freedom (1..10); beyond that, the normal's.
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def mean_ci(values: Sequence[float]) -> Tuple[float, float]:
+    """Mean and the half-width of its 95% t interval (nan for a single value)."""
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, float("nan")
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    return m, (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+
+
+def _metric_summary(task: dict, run: dict) -> Tuple[float, float, float]:
+    """The targeted metric of one run: (first step, last step, mean over the steps)."""
+    vals = [r[task["metric"]] for r in load_metrics(run["run_dir"]) if task["metric"] in r]
+    if not vals:
+        return float("nan"), float("nan"), float("nan")
+    return vals[0], vals[-1], sum(vals) / len(vals)
+
+
+def ablation_summary(result: dict) -> List[dict]:
+    """One row per task and rung: mean and 95% interval of the final held-out accuracy per
+    bucket (and overall) and of the targeted metric, over the seeds."""
+    rows = []
+    for task in result["tasks"]:
+        for with_ in (False, True):
+            runs = [r for r in result["runs"] if r["task"] == task["name"] and r["with"] == with_]
+            if not runs:
+                continue
+            acc = {b: mean_ci([r["after"][b] for r in runs]) for b in task["buckets"]}
+            before = {b: sum(r["before"][b] for r in runs) / len(runs) for b in task["buckets"]}
+            overall = mean_ci([sum(r["after"].values()) / len(r["after"]) for r in runs])
+            rows.append({"task": task["name"], "component": task["component"], "with": with_,
+                         "rung": ("DAPO" if with_ else f"DAPO - {task['component']}"),
+                         "steps": round(sum(r["steps"] for r in runs) / len(runs)),
+                         "samples": round(sum(r["samples"] for r in runs) / len(runs)),
+                         "before": sum(sum(r["before"].values()) / len(r["before"]) for r in runs) / len(runs),
+                         "acc": overall, "acc_by_bucket": acc, "before_by_bucket": before, "metric": task["metric"],
+                         "metric_label": task["metric_label"],
+                         # first step, last step, mean over steps: each a mean and 95% interval over seeds
+                         "metric_value": [mean_ci(list(v)) for v in zip(*(_metric_summary(task, r) for r in runs))],
+                         "seeds": len(runs)})
+    return rows
+
+
+def _pm(m: float, h: float, scale: float = 100.0, fmt: str = ".1f") -> str:
+    return f"{scale * m:{fmt}}" + ("" if math.isnan(h) else f" ± {scale * h:{fmt}}")
+
+
+def _ablation_cells(rows: List[dict]) -> List[List[str]]:
+    """The header and one list of cells per row of :func:`ablation_summary`."""
+    out = [["task (component)", "rung", "steps", "samples", "held-out acc % (95% CI)", "by bucket %: before -> after",
+            "targeted metric"]]
+    for r in rows:
+        buckets = ", ".join(f"{b}: {100 * r['before_by_bucket'][b]:.0f} -> {_pm(*v, fmt='.0f')}"
+                            for b, v in r["acc_by_bucket"].items()) if len(r["acc_by_bucket"]) > 1 else ""
+        out.append([f"{r['task']} ({r['component']})", r["rung"], str(r["steps"]), str(r["samples"]),
+                    f"{_pm(*r['acc'])} (before {100 * r['before']:.1f})", buckets,
+                    f"{r['metric_label']}: step 1 {_pm(*r['metric_value'][0], scale=1.0, fmt='.3g')}, last "
+                    f"{_pm(*r['metric_value'][1], scale=1.0, fmt='.3g')}, mean "
+                    f"{_pm(*r['metric_value'][2], scale=1.0, fmt='.3g')}"])
+    return out
+
+
+def ablation_table(rows: List[dict]) -> str:
+    """A Markdown table of :func:`ablation_summary`'s rows."""
+    cells = _ablation_cells(rows)
+    lines = ["| " + " | ".join(c) + " |" for c in cells]
+    return "\n".join(lines[:1] + ["|" + "---|" * len(cells[0])] + lines[1:])
+
+
+def _curve(runs: List[dict], key: str):
+    """Mean over ``runs`` of ``key`` against the cumulative generated responses (the sample
+    budget), at the steps every run logged it."""
+    per_run = []
+    for run in runs:
+        total, pts = 0.0, {}
+        for r in load_metrics(run["run_dir"]):
+            total += float(r.get("train/gen_responses", 0) or 0)
+            if isinstance(r.get(key), (int, float)):
+                pts[r["step"]] = (total, r[key])
+        per_run.append(pts)
+    steps = sorted(set.intersection(*(set(p) for p in per_run))) if per_run else []
+    return ([sum(p[s][0] for p in per_run) / len(per_run) for s in steps],
+            [sum(p[s][1] for p in per_run) / len(per_run) for s in steps])
+
+
+def _plot_ablation(plt, result: dict, task: dict, path: str) -> bool:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    drawn = False
+    for with_, style in ((False, "--"), (True, "-")):
+        runs = [r for r in result["runs"] if r["task"] == task["name"] and r["with"] == with_]
+        if not runs:
+            continue
+        label = "DAPO" if with_ else f"DAPO - {task['component']}"
+        for ax, key in zip(axes, (task["metric"], "val/acc")):
+            xs, ys = _curve(runs, key)
+            if xs:
+                ax.plot(xs, ys, style, marker="o" if len(xs) < 30 else None, ms=3, label=label)
+                drawn = True
+    if drawn:
+        axes[0].set(title=f"{task['name']}: {task['metric_label']}", ylabel=task["metric"])
+        axes[1].set(title=f"{task['name']}: held-out accuracy (greedy)", ylabel="val/acc")
+        for ax in axes:
+            ax.set_xlabel(f"generated responses (mean of {len(result['seeds'])} seeds)")
+        _save(fig, axes, path)
+    plt.close(fig)
+    return drawn
+
+
+def _write_ablation_report(run_dir: str, out_dir: str, plt) -> str:
+    with open(os.path.join(run_dir, "ablation.json")) as f:
+        result = json.load(f)
+    figures = []
+    for task in result["tasks"]:
+        if _plot_ablation(plt, result, task, os.path.join(out_dir, f"ablation_{task['name']}.png")):
+            figures.append((f"ablation_{task['name']}", f"{task['name']} ({task['component']})"))
+    esc = html.escape
+    cells = _ablation_cells(ablation_summary(result))
+    table = "".join("<tr>" + "".join(f"<{tag}>{esc(c)}</{tag}>" for c in row) + "</tr>"
+                    for row, tag in zip(cells, ["th"] + ["td"] * len(cells)))
+    body = "".join(f'<figure><img src="{n}.png" alt="{esc(t)}"><figcaption>{esc(t)}</figcaption></figure><br>'
+                   for n, t in figures)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>DAPO ablation {esc(run_dir)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .6em;border-bottom:1px solid #ddd}"
+            "</style></head>"
+            f"<body><h1>DAPO ablation: {esc(os.path.abspath(run_dir))}</h1>"
+            f"<p>seeds {esc(str(result['seeds']))}; mean &plusmn; 95% t interval over seeds; "
+            f"{result['seconds']:.0f} s</p><table>{table}</table>{body}</body></html>")
+
+
 ANALYSES = ("batch_quality",)
 # Marks each image as loaded or broken once the page has loaded (a browser test reads the marks).
 _IMG_CHECK = ("<script>window.addEventListener('load',function(){document.querySelectorAll('img').forEach("
@@ -176,8 +320,11 @@ def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence
     matplotlib.use("Agg")  # no display on a training box
     import matplotlib.pyplot as plt
 
-    rows = _with_fractions(load_metrics(run_dir))
     out_dir = out_dir or os.path.join(run_dir, "report")
+    if os.path.isfile(os.path.join(run_dir, "ablation.json")):  # python -m dapo_trainer.demo.ablation's directory
+        os.makedirs(out_dir, exist_ok=True)
+        return _write_page(out_dir, _write_ablation_report(run_dir, out_dir, plt))
+    rows = _with_fractions(load_metrics(run_dir))
     os.makedirs(out_dir, exist_ok=True)
     figures = []
     for name, title, ylabel, keys in PANELS:
@@ -205,6 +352,10 @@ def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence
             "table.flags td,table.flags th{border:1px solid #ccc;padding:2px 4px;vertical-align:top}</style></head>"
             f"<body><h1>DAPO run: {esc(os.path.abspath(run_dir))}</h1><table>{summary}</table>{body}{sections}"
             f"{_IMG_CHECK}</body></html>")
+    return _write_page(out_dir, page)
+
+
+def _write_page(out_dir: str, page: str) -> str:
     path = os.path.join(out_dir, "index.html")
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -215,7 +366,8 @@ def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="dapo-report", description="HTML report with plots of a DAPO run")
-    p.add_argument("run_dir", help="the trainer's run directory (trainer.default_local_dir)")
+    p.add_argument("run_dir", help="the trainer's run directory (trainer.default_local_dir), or the directory "
+                                   "of python -m dapo_trainer.demo.ablation (its rungs side by side)")
     p.add_argument("-o", "--out", default=None, help="output directory (default RUN_DIR/report)")
     p.add_argument("--analysis", action="append", default=[], choices=ANALYSES,
                    help="extra section: batch_quality (flagged samples and reward / length panels from the "

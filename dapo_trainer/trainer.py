@@ -419,6 +419,7 @@ class DAPOTrainer:
         timing, tokens, local_tokens, k = dict.fromkeys(("gen", "reward", "filter"), 0.0), 0, 0, 0
         turn_stats = defaultdict(float)
         dump = [] if self.cfg.trainer.rollout_data_dir and self.rank == 0 else None
+        truncated = sampled = 0  # over every generated response, kept or not
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
@@ -430,6 +431,8 @@ class DAPOTrainer:
                 timing[key] += v
             tokens += gb["tokens"]
             local_tokens += gb["local_tokens"]
+            truncated += int(gb["tensors"]["truncated"].sum())
+            sampled += len(gb["tensors"]["truncated"])
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
@@ -446,7 +449,10 @@ class DAPOTrainer:
             "train/all_wrong_groups": am[pre + "groups_all_wrong"],
             "train/carried_in_groups": am[pre + "groups_carried_in"],
             "train/carried_over_groups": am[pre + "groups_carried_over"],
-            "train/gen_tokens": tokens,
+            "train/gen_tokens": tokens, "train/gen_responses": sampled,
+            # Cut at max_response_length among all sampled responses (the train batch's own rate,
+            # response_length/clip_ratio, sees only the kept groups under dynamic sampling).
+            "train/gen_truncated_frac": truncated / max(sampled, 1),
             # Response tokens this rank's replica sampled: about 1 / DP of the batch's.
             "train/local_response_tokens": local_tokens,
         }
@@ -791,5 +797,7 @@ def batch_metrics(batch, max_response_length: int) -> Dict[str, float]:
             "response_length/mean": float(rl.mean()), "response_length/max": float(rl.max()),
             "response_length/min": float(rl.min()),
             "response_length/clip_ratio": float(batch["truncated"].double().mean()),
+            # Responses that carry a gradient (GRPO: all-equal groups have zero advantage).
+            "train/effective_batch": float((batch["advantages"] != 0).sum()),
             "prompt_length/mean": float(batch["prompt_len"].double().mean()),
             "train/num_tokens": float(batch["response_mask"].sum())}

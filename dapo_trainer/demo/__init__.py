@@ -1,8 +1,9 @@
 """The built-in demo: a tiny model learning a generated digit task with DAPO on a CPU.
 
 ``python -m dapo_trainer.demo`` (``make demo``) is the project's main job; ``python -m
-dapo_trainer.demo.ablation`` (``make ablation``) runs the DAPO paper's ablation ladder on
-the same task. :func:`run_demo` is the piece both share.
+dapo_trainer.demo.ablation`` (``make ablation``) shows what each DAPO component is for, on a
+family of sorting tasks built from the same pieces (:func:`build_demo`'s warm start).
+:func:`run_demo` runs the demo.
 """
 from __future__ import annotations
 

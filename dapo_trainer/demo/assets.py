@@ -70,14 +70,22 @@ class DemoConfig:
     # Fraction of the warm start's sorting demonstrations written in descending order
     # (the checker wants ascending): the behaviour RL has to unlearn. 0 = correct data only.
     warm_start_descending: float = 0.6
+    # Fraction of the sorting demonstrations that show their work first: the input digits, ":",
+    # then the sorted digits ("52817:12578"), a response twice as long (the ablation's
+    # truncation task, demo/ablation.py; the demo's checker accepts digits only).
+    warm_start_verbose: float = 0.0
 
     def __post_init__(self):
-        if not 0.0 <= self.warm_start_descending <= 1.0:
-            raise ValueError(f"DemoConfig.warm_start_descending must be in [0, 1], got {self.warm_start_descending!r}")
+        for name in ("warm_start_descending", "warm_start_verbose"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"DemoConfig.{name} must be in [0, 1], got {v!r}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["task"] = self.task.to_dict()
+        if not self.warm_start_verbose:  # keeps the cache key of the settings from before the field
+            del d["warm_start_verbose"]
         return d
 
     def key(self) -> str:
@@ -126,12 +134,18 @@ def _write_tokenizer(tok, model_dir: str) -> None:
 # --------------------------------------------------------------------------- warm start
 def warm_start_targets(problems, cfg: DemoConfig) -> List[str]:
     """The supervised target of each problem: its answer, or for a seeded fraction
-    ``cfg.warm_start_descending`` of the sorting problems the digits in descending order."""
+    ``cfg.warm_start_descending`` of the sorting problems the digits in descending order;
+    a seeded fraction ``cfg.warm_start_verbose`` of those is prefixed with the input digits and ":"."""
     rng = random.Random(cfg.seed * 7919 + 17)
+    vrng = random.Random(cfg.seed * 7919 + 29)  # its own stream: the descending draws stay as they were
     out = []
     for p in problems:
-        desc = p.prompt.startswith("sort:") and rng.random() < cfg.warm_start_descending
-        out.append("".join(sorted(p.answer, reverse=True)) if desc else p.answer)
+        sort = p.prompt.startswith("sort:")
+        desc = sort and rng.random() < cfg.warm_start_descending
+        target = "".join(sorted(p.answer, reverse=True)) if desc else p.answer
+        if sort and cfg.warm_start_verbose and vrng.random() < cfg.warm_start_verbose:
+            target = p.prompt[len("sort:"):-1] + ":" + target
+        out.append(target)
     return out
 
 

@@ -1,7 +1,6 @@
 """The update side of multi-turn training (issue 20): the micro-batch token cap scaled by the
 batch's dialogue turns (``actor.dynamic_token_len``) and its utilisation, and old / reference
 log-probs projected onto the vocabulary only where the response mask is set."""
-import json
 import random
 from types import SimpleNamespace
 
@@ -9,11 +8,10 @@ import pytest
 import torch
 
 from dapo_trainer.config import DynamicTokenLenConfig, load_config
-from dapo_trainer.data import load_tokenizer
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.trainer import DAPOTrainer, masked_log_probs, scaled_token_len
 from tests.helpers import assert_close_to_ref
-from tests.trainer.test_multiturn import ENV_SRC
+from tests.trainer.test_multiturn import echo_setup
 from tests.trainer.tiny import micro_setup, write_tiny_model
 
 ISSUE = DynamicTokenLenConfig(long_turns=5, long_factor=1.5, short_turns=2, short_factor=0.7, max_token_len=5000)
@@ -81,17 +79,7 @@ def test_update_scales_micro_batches_by_turns_and_reports_utilization(tmp_path):
 
 
 def test_multiturn_batch_carries_each_dialogues_turns(tmp_path):
-    root = str(tmp_path)
-    (tmp_path / "env.py").write_text(ENV_SRC)
-    overrides = micro_setup(root) + [
-        f"environment.path={root}/env.py", "environment.name=Echo", "environment.max_turns=3",
-        "environment.max_turn_tokens=4", "data.max_response_length=14", "custom_reward_function.path=null",
-        "reward_model.dialogue.weights={correct: 1.0, length: 0.5}", "reward_model.overlong_buffer.enable=false",
-        "algorithm.filter_groups.enable=false", "trainer.val_before_train=false",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"]
-    stops = [1] + [load_tokenizer(f"{root}/model").tok.token_to_id(c) for c in "0123+"]
-    with open(f"{root}/model/generation_config.json", "w") as f:  # the random model ends turns early
-        json.dump({"eos_token_id": stops}, f)
+    overrides = echo_setup(tmp_path) + ["algorithm.filter_groups.enable=false", "trainer.val_before_train=false"]
     trainer = DAPOTrainer(load_config(overrides=overrides))
     batch, _ = trainer.collect(1)
     # An assistant turn is a run of sampled tokens: the runs of the response mask count the turns.

@@ -193,7 +193,12 @@ def test_dialog_warm_start_looks_up_but_guesses(tmp_path):
     from dapo_trainer.rollout import RolloutConfig, make_rollout
     from dapo_trainer.rollout.multiturn import multi_turn_rollout
 
-    assets = build_dialog_demo(DialogDemoConfig(seed=0), cache_dir=str(tmp_path), progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the demo runs it: the tiny model's matmuls lose to thread sync
+    try:
+        assets = build_dialog_demo(DialogDemoConfig(seed=0), cache_dir=str(tmp_path), progress=False)
+    finally:
+        torch.set_num_threads(threads)
     tok = load_tokenizer(assets.model_dir)
     engine = make_rollout(RolloutConfig(), load_hf_model(assets.model_dir, torch.float32, torch.device("cpu")))
     val = load_rows([assets.val_file])

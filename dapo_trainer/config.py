@@ -116,6 +116,27 @@ class OptimConfig:
 
 
 @dataclass
+class DynamicTokenLenConfig:
+    """``actor.dynamic_token_len.*``: ``ppo_max_token_len_per_gpu`` scaled by the train batch's
+    mean number of assistant turns per dialogue (single-turn rows count 1 turn).
+
+    Mean turns >= ``long_turns``: times ``long_factor``; <= ``short_turns``: times
+    ``short_factor``; in between: unscaled. Long dialogues get bigger micro-batches (fewer
+    forward passes over their long contexts), short ones smaller (less memory held). The
+    result never exceeds ``max_token_len``, the most tokens one micro-batch may hold in the
+    device's memory, and never falls below the batch's longest sequence. The factors default
+    to 1 (off); a ``long_factor`` above 1 needs ``max_token_len``.
+    """
+
+    long_turns: float = 5.0
+    long_factor: float = 1.0
+    short_turns: float = 2.0
+    short_factor: float = 1.0
+    # The memory ceiling (tokens per micro-batch); None: ppo_max_token_len_per_gpu itself.
+    max_token_len: Optional[int] = None
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy update."""
 
@@ -131,6 +152,8 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"
     use_dynamic_bsz: bool = True
     ppo_max_token_len_per_gpu: int = 16384
+    # With use_dynamic_bsz: ppo_max_token_len_per_gpu scaled by the batch's mean dialogue turns.
+    dynamic_token_len: DynamicTokenLenConfig = field(default_factory=DynamicTokenLenConfig)
     # Without dynamic bsz: sequences per micro-batch.
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_mini_batch_size: int = 8  # prompts per optimiser step
@@ -453,6 +476,10 @@ _FLOAT_RANGES = {
     "actor_rollout_ref.actor.entropy_coeff": None,
     "actor_rollout_ref.actor.kl_loss_coef": (lambda v: v >= 0, ">= 0"),
     "actor_rollout_ref.actor.grad_clip": (lambda v: v > 0, "> 0"),
+    "actor_rollout_ref.actor.dynamic_token_len.long_turns": (lambda v: v >= 1, ">= 1"),
+    "actor_rollout_ref.actor.dynamic_token_len.short_turns": (lambda v: v >= 1, ">= 1"),
+    "actor_rollout_ref.actor.dynamic_token_len.long_factor": (lambda v: v > 0, "> 0"),
+    "actor_rollout_ref.actor.dynamic_token_len.short_factor": (lambda v: v > 0, "> 0"),
     "actor_rollout_ref.actor.optim.lr": (lambda v: v >= 0, ">= 0"),
     "actor_rollout_ref.actor.optim.weight_decay": (lambda v: v >= 0, ">= 0"),
     "actor_rollout_ref.actor.optim.betas": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -518,6 +545,15 @@ def validate(cfg: Config) -> Config:
              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
              f"times ulysses_sequence_parallel_size ({sp}) must hold the longest sequence, data.max_prompt_length + "
              f"data.max_response_length = {d.max_prompt_length + d.max_response_length}, got {a.ppo_max_token_len_per_gpu}")
+    dtl, dtl_key = a.dynamic_token_len, "actor_rollout_ref.actor.dynamic_token_len"
+    _require(dtl.short_turns <= dtl.long_turns, f"{dtl_key}.short_turns",
+             f"must be <= long_turns ({dtl.long_turns}), got {dtl.short_turns}")
+    _require(dtl.max_token_len is not None or dtl.long_factor <= 1, f"{dtl_key}.max_token_len",
+             f"must be set (the most tokens one micro-batch may hold in memory) when long_factor "
+             f"({dtl.long_factor}) is above 1")
+    _require(dtl.max_token_len is None or dtl.max_token_len >= d.max_prompt_length + d.max_response_length,
+             f"{dtl_key}.max_token_len", f"must hold the longest sequence, data.max_prompt_length + "
+             f"data.max_response_length = {d.max_prompt_length + d.max_response_length}, got {dtl.max_token_len}")
     _require(d.truncation in ("error", "left", "right"), "data.truncation",
              f"must be 'error', 'left' or 'right', got {d.truncation!r}")
     _require("{prompt}" in d.prompt_template, "data.prompt_template", "must contain '{prompt}'")

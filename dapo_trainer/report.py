@@ -2,7 +2,10 @@
 
 Plots (each only when the run logged its metrics): reward and accuracy (train and
 held-out), keep rate and generation batches per step, response length (per-step range
-and the distribution of per-step means), clip fractions, entropy, and time per phase.
+and the distribution of per-step means), clip fractions, entropy, time per phase and, for
+multi-turn runs (the ``dialog/*`` metrics), turns per dialogue, tokens per assistant /
+environment turn and assistant vs environment tokens per step, with their run means in the
+summary table.
 Writes ``RUN_DIR/report/index.html`` and its PNGs; returns / prints the HTML path.
 
 ``--analysis batch_quality`` adds the section of :mod:`dapo_trainer.batch_quality`, read from
@@ -75,6 +78,13 @@ PANELS = [
         ("response_length/clip_ratio", "responses cut at max length")]),
     ("entropy", "Policy entropy and KL", "nats per token", [("actor/entropy", "entropy"), ("actor/ppo_kl", "ppo_kl"),
                                                   ("actor/kl_loss", "kl_loss")]),
+    # Multi-turn runs (rollout/multiturn.py's turn_stats, per step over its generation batches).
+    ("turns", "Dialogue turns", "assistant turns", [
+        ("dialog/turns_per_dialog", "mean turns per dialogue"), ("dialog/max_turns_per_dialog", "max turns")]),
+    ("turn_tokens", "Tokens per turn", "tokens", [
+        ("dialog/tokens_per_assistant_turn", "assistant turn"), ("dialog/tokens_per_env_turn", "environment turn")]),
+    ("turn_split", "Assistant vs environment tokens", "tokens per step", [
+        ("dialog/assistant_tokens", "assistant (trained on)"), ("dialog/env_tokens", "environment (context only)")]),
 ]
 
 
@@ -162,6 +172,20 @@ def _summary(rows: List[dict]) -> List[tuple]:
     gen = sum(float(r.get("train/num_gen_batches", 0) or 0) for r in rows)
     if gen:
         out.append(("generation batches", f"{gen:.0f}"))
+    _, turns = _series(rows, "dialog/turns_per_dialog")
+    if turns:
+        out.append(("turns per dialogue", f"{turns[0]:.2f} (first step) -> {turns[-1]:.2f} (last step), "
+                                          f"mean {sum(turns) / len(turns):.2f}"))
+        per_turn = [f"{who} {sum(v) / len(v):.1f}" for who, v in (
+            ("assistant", _series(rows, "dialog/tokens_per_assistant_turn")[1]),
+            ("environment", _series(rows, "dialog/tokens_per_env_turn")[1])) if v]
+        if per_turn:
+            out.append(("tokens per turn (mean)", ", ".join(per_turn)))
+        a = sum(_series(rows, "dialog/assistant_tokens")[1])
+        e = sum(_series(rows, "dialog/env_tokens")[1])
+        if a + e:
+            out.append(("assistant vs environment tokens",
+                        f"{a:.0f} vs {e:.0f} ({100 * a / (a + e):.1f}% assistant)"))
     return out
 
 

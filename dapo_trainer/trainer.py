@@ -7,7 +7,8 @@ One step (``DAPOTrainer.train_step``):
 3. ``dk.group_filter`` (keep groups whose metric varies; GRPO advantages of the final
    reward) and ``dk.DynamicBatchAccumulator`` until ``data.train_batch_size`` groups are
    kept (``DynamicSamplingExhausted`` after ``max_num_gen_batches``);
-4. old log-probs (skipped on-policy: one mini-batch, one epoch) and reference log-probs;
+4. old log-probs (skipped on-policy: one mini-batch, one epoch) and reference log-probs, projected
+   onto the vocabulary only where the response mask is set (``masked_log_probs``);
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
    token-capped micro-batches (``dk.micro_batches``, balanced by attention workload; the cap is
    per rank, so an SP group's micro-batch holds SP times as many tokens) packed through the model,
@@ -61,7 +62,8 @@ _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
 # The update's metric sums kept on the device, in this order (token-weighted ones times tokens).
 _DEVICE_SUMS = ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "tokens")
 # Per-response columns a rollout share carries after its padded response ids and log-probs.
-_SHARE_COLUMNS = ("prompt_len", "response_len", "stopped", "score", "acc", "reward", "filter_metric", "failed")
+_SHARE_COLUMNS = ("prompt_len", "response_len", "stopped", "score", "acc", "reward", "filter_metric", "failed",
+                  "turns")
 logger = logging.getLogger(__name__)
 
 
@@ -355,7 +357,11 @@ class DAPOTrainer:
         table[:, P + 2 * R:P + 3 * R][valid] = 1.0 if sampled is None else sampled.double()
         stop = torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.float64)
         prompt_len = torch.tensor([len(prompts[g]) for g in out.group_index.tolist()], dtype=torch.float64)
-        table[:, P + 3 * R:] = torch.stack([prompt_len, lengths.double(), stop, score, acc, final, metric, failed], 1)
+        # Assistant turns per response (a single-turn response is one), for actor.dynamic_token_len.
+        turns = torch.tensor([c.num_turns for c in out.conversations] if self.env is not None else [1] * len(score),
+                             dtype=torch.float64)
+        table[:, P + 3 * R:] = torch.stack([prompt_len, lengths.double(), stop, score, acc, final, metric, failed,
+                                            turns], 1)
         turn_stats = out.turn_stats() if self.env is not None else {}
         return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}, turn_stats, comps
 
@@ -392,7 +398,7 @@ class DAPOTrainer:
         table = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(self.dp)])
         timing["gen"] += time.perf_counter() - t0
         t2 = time.perf_counter()
-        prompt_len, lengths, stop, score, acc, final, metric, failed = table[:, P + 3 * R:].unbind(1)
+        prompt_len, lengths, stop, score, acc, final, metric, failed, turns = table[:, P + 3 * R:].unbind(1)
         prompt_len, lengths = prompt_len.long(), lengths.long()
         algo = self.cfg.algorithm
         adv = dk.group_filter(final, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
@@ -407,7 +413,7 @@ class DAPOTrainer:
                    "rollout_log_prob": table[:, P + R:P + 2 * R].float(),
                    "response_mask": table[:, P + 2 * R:P + 3 * R] > 0,
                    "advantages": adv.advantages.float(), "score": score.clone(), "acc": acc.clone(),
-                   "reward": final.clone(), "truncated": stop == 0}
+                   "reward": final.clone(), "truncated": stop == 0, "num_turns": turns.clone()}
         timing["filter"] = time.perf_counter() - t2
         return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric.clone(),
                 "turn_stats": turn_stats, "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()),
@@ -487,9 +493,13 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ update
     def _plan(self, batch) -> List[dict]:
-        """Per mini-batch: this rank's micro-batches (row indices) and the global counts."""
+        """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
+        of its micro-batches (``actor.dynamic_token_len``) and this rank's tokens in them."""
         a, n = self.actor_cfg, self.rollout_cfg.n
         seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
+        turns = batch["num_turns"] if "num_turns" in batch else torch.ones(len(seqlens))
+        cap = scaled_token_len(a.ppo_max_token_len_per_gpu, float(turns.double().mean()), a.dynamic_token_len,
+                               max(seqlens))
         resp = batch["response_mask"].sum(1).tolist()  # trained-on tokens: multi-turn masks the environment's
         rows_per_mini = a.ppo_mini_batch_size * n
         plan = []
@@ -504,17 +514,18 @@ class DAPOTrainer:
             if a.use_dynamic_bsz:
                 # Per SP group: SP times the per-rank token cap, balanced by attention workload.
                 split = dict(hidden_size=self.model.config.hidden_size, sp=self.sp)
-                micro = sp_micro_batches(lens, a.ppo_max_token_len_per_gpu, **split)
+                micro = sp_micro_batches(lens, cap, **split)
                 if a.strategy == "fsdp2" and self.grad_ranks > 1:
                     # FSDP reduce-scatters in every backward: every rank runs as many.
                     cnt = torch.tensor([len(micro)], device=self.comm_device)
                     dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.grad_group)
-                    micro = sp_micro_batches(lens, a.ppo_max_token_len_per_gpu, **split, min_num_micro_batches=int(cnt))
+                    micro = sp_micro_batches(lens, cap, **split, min_num_micro_batches=int(cnt))
                 micro = [[mine[i] for i in mb] for mb in micro]
             else:
                 step = a.ppo_micro_batch_size_per_gpu
                 micro = [mine[i:i + step] for i in range(0, len(mine), step)]
-            plan.append({"micro": micro, "num_tokens": sum(resp[i] for i in mini), "num_seqs": len(mini)})
+            plan.append({"micro": micro, "num_tokens": sum(resp[i] for i in mini), "num_seqs": len(mini),
+                         "max_token_len": cap if a.use_dynamic_bsz else None, "tokens": sum(lens)})
         return plan
 
     def _pack(self, batch, rows: List[int]) -> dict:
@@ -539,16 +550,17 @@ class DAPOTrainer:
         if self.sp > 1:  # the model takes every token and computes this rank's shard; the loss reads that shard
             labels, mask, adv = (shard_sequence(t, self.sp_group) for t in (labels, mask, adv))
         # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
-        # read nothing of them inside the micro-batch loop.
+        # read nothing of them inside the micro-batch loop. The positions the mask selects (of this
+        # rank's shard under SP) are listed here too (a host tensor: no device read), for
+        # masked_log_probs.
         return {"input_ids": to_device_checked(input_ids, dev), "labels": to_device_checked(labels, dev),
-                "mask": mask.to(dev), "advantages": adv.to(dev),
+                "mask": mask.to(dev), "mask_index": mask.nonzero().squeeze(1).to(dev), "advantages": adv.to(dev),
                 "cu_seqlens": to_device_checked(torch.tensor(cu, dtype=torch.int32), dev), "max_seqlen": max(lens)}
 
     @torch.no_grad()
-    def _log_probs(self, model, mb: dict, entropy: bool):
-        hidden = model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-        return model.log_probs(hidden, mb["labels"], temperature=self.rollout_cfg.temperature,
-                               return_entropy=entropy)
+    def _log_probs(self, model, mb: dict) -> torch.Tensor:
+        """Old / reference log-probs ``[T]`` of a packed micro-batch (:func:`masked_log_probs`)."""
+        return masked_log_probs(model, mb, self.rollout_cfg.temperature)
 
     def update(self, batch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
@@ -561,13 +573,13 @@ class DAPOTrainer:
         if not on_policy:
             for mbs in packed:
                 for mb in mbs:
-                    mb["old_log_prob"], _ = self._log_probs(self.model, mb, False)
+                    mb["old_log_prob"] = self._log_probs(self.model, mb)
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.ref_model is not None:
             for mbs in packed:
                 for mb in mbs:
-                    mb["ref_log_prob"], _ = self._log_probs(self.ref_model, mb, False)
+                    mb["ref_log_prob"] = self._log_probs(self.ref_model, mb)
             timing["timing_s/ref"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -648,6 +660,10 @@ class DAPOTrainer:
         if has_kl:
             out["actor/kl_loss"] = s["kl_loss"] / n_mini
         out.update(timing)
+        if a.use_dynamic_bsz:  # the micro-batch token cap and how full it keeps this rank's micro-batches
+            n_micro, cap = sum(len(p["micro"]) for p in plan), plan[0]["max_token_len"]
+            out.update({"actor/max_token_len": float(cap), "actor/num_micro_batches": float(n_micro),
+                        "actor/micro_batch_utilization": sum(p["tokens"] for p in plan) / (n_micro * cap)})
         return out
 
     def _poison_grads_unless_finite(self, loss: torch.Tensor) -> None:
@@ -787,6 +803,33 @@ class DAPOTrainer:
         finally:
             log.close()
         return metrics
+
+
+def scaled_token_len(base: int, mean_turns: float, cfg, longest: int) -> int:
+    """The micro-batch token cap for a batch averaging ``mean_turns`` assistant turns per
+    response (:class:`~dapo_trainer.config.DynamicTokenLenConfig` ``cfg``): ``base`` times
+    ``cfg.long_factor`` at ``mean_turns >= cfg.long_turns``, times ``cfg.short_factor`` at
+    ``<= cfg.short_turns``, unscaled in between; at most ``cfg.max_token_len`` (the memory
+    ceiling; None: ``base``), at least ``longest`` (every sequence fits a micro-batch)."""
+    factor = (cfg.long_factor if mean_turns >= cfg.long_turns else
+              cfg.short_factor if mean_turns <= cfg.short_turns else 1.0)
+    ceiling = base if cfg.max_token_len is None else cfg.max_token_len
+    return max(longest, min(ceiling, int(base * factor)))
+
+
+def masked_log_probs(model, mb: dict, temperature: float) -> torch.Tensor:
+    """Log-probs ``[T]`` of ``mb``'s labels where its mask is set (``mb["mask_index"]``), 0 elsewhere.
+
+    The packed forward runs over every position (prompt and environment tokens are the
+    context of the sampled ones), but the vocabulary projection and log-softmax, the costly
+    part at a real vocabulary, run only on the masked rows: prompt tokens, environment turns
+    and padding are never projected. The loss selects the masked positions away, so the
+    zeros elsewhere are never read.
+    """
+    hidden = model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+    idx = mb["mask_index"]
+    lp, _ = model.log_probs(hidden.index_select(0, idx), mb["labels"].index_select(0, idx), temperature=temperature)
+    return lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
 
 
 def batch_metrics(batch, max_response_length: int) -> Dict[str, float]:

@@ -1,20 +1,35 @@
 """The dialogue demo: an order-status desk that needs its turns (``python -m dapo_trainer.demo --task dialog``).
 
-The system message is a table of orders (``"a7:late b2:ok c9:lost"``); the user asks
-``"status?"`` without saying which order is theirs. The right dialogue asks for the id
-(``"id?"``), gets it from the environment (``"b2"``) and answers with that order's status
-(``"is ok"``). Answering at once (``"is <status>"``) is a guess.
+The system message is the desk's table of orders, one line per order: ``#``, the order
+number, then its status (``"#1late #2held #3gone #4sent"``); the user asks ``"status?"``
+without saying which order is theirs. The right dialogue asks for the number (``"id?"``), gets
+it from the environment (``"3"``) and answers with that order's line (``"#3gone"``). Answering
+at once (quoting any line) is a guess. Every answer starts with ``#`` and every question with
+``i``, so the first token is the choice between asking and guessing, and greedy decoding makes
+it the way the model leans (with answers starting with their digit, 4 guess tokens of ~15%
+each lost to one ``i`` of 38%: the warm start asked greedily).
 
-:class:`OrderDeskEnv` plays the user: it replies with the order id to any first turn that is
-not an answer, ends the dialogue at the first answer (or the second assistant turn), and
-scores ``correct`` (the answer names the order's status). The reward is ``correct`` plus small
-weighted ``coherence`` / ``relevance`` components (``configs/dialog_demo.yaml``).
+:class:`OrderDeskEnv` plays the user: it replies with the order number to the question ``"id?"``
+as a first turn, ends the dialogue at any other turn (or the second assistant turn), and scores
+``correct`` (the answer is the order's line). The reward is ``correct`` plus small weighted
+``coherence`` / ``relevance`` components (``configs/dialog_demo.yaml``).
 
-Warm start, as the single-turn demo: a short supervised phase on *mixed* demonstrations, a
-fraction ``guess_fraction`` of them guessing a random row's status at once, the rest asking
-first and answering right. The warm-started model greedily guesses (right about one time in
-``rows``), yet samples the asking dialogue often enough for DAPO to find it; what RL learns
-from the reward alone is that asking pays.
+Warm start, as the single-turn demo: a short supervised phase on *mixed* transcripts, a
+fraction ``guess_fraction`` of them guessing a random line at once, the rest asking first and
+answering right. The warm-started model looks an order up correctly once its number is in the
+context, yet greedily guesses (right one time in ``rows``), and samples the asking dialogue
+often enough for DAPO to find it; what RL learns from the reward alone is that asking pays.
+
+Why this layout (measured, seed 0, 2-layer model): with random two-character ids
+(``"b2:ok"``, answer ``"is ok"``) the warm-started model never learned the lookup in 400 supervised steps (answers
+after asking right 25% of the time, chance), so asking paid nothing and RL moved held-out
+success 23% -> 23%. Matching an id by content anywhere in the table needs an induction
+circuit that this model did not form in 300-500 steps with any of: one-digit ids, no
+separator, curricula of table sizes, several questions per transcript, loss on whole
+transcripts. Order numbers that are the line numbers, fixed-width lines and an answer that
+quotes the line (so the number sits right before the status to copy) make the lookup a
+position the number selects, which the same model learns in ~200 steps (100% of held-out
+lookups). The transcripts are learned whole (``transcript_loss``), table and user turns too.
 
 The tokenizer is character-level with role tokens ``<s>``, ``<u>``, ``<a>`` and a chat
 template in ``tokenizer_config.json``, so the trainer renders the dialogues through its
@@ -38,15 +53,16 @@ from .assets import DemoConfig
 
 __all__ = ["DialogDemoConfig", "OrderDeskEnv", "build_dialog_demo", "TEMPLATE", "STATUSES"]
 
-STATUSES = ("ok", "late", "lost", "held", "sent", "due")
-CHARS = "0123456789abcdefghijklmnopqrstuvwxyz :?"
+# Four letters each (every line of a table has the same width) with distinct first letters.
+STATUSES = ("late", "held", "sent", "gone", "paid", "open")
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyz :?#"
 SPECIALS = ["<pad>", "<eos>", "<s>", "<u>", "<a>"]
 # Role markers <s>/<u>/<a>; an assistant turn ends with the eos token the sampler stops on.
 TEMPLATE = ("{% for m in messages %}{{ '<' + m['role'][0] + '>' + m['content'] }}"
             "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<a>' }}{% endif %}")
 REQUEST, ASK, DATA_SOURCE = "status?", "id?", "order_desk"
-ASSETS_VERSION = 2
+ASSETS_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -54,11 +70,13 @@ class DialogDemoConfig(DemoConfig):
     """The single-turn demo's model and warm-start settings, with the desk's own (``task`` and
     ``warm_start_descending`` are unused here)."""
 
-    rows: int = 4  # orders per table (<= len(STATUSES))
+    rows: int = 4  # orders per table (<= len(STATUSES), <= 9)
     num_val: int = 100
-    warm_start_steps: int = 400
+    warm_start_steps: int = 500
     # Fraction of the warm start's dialogues that guess at once instead of asking for the id.
     guess_fraction: float = 0.6
+    # Learn the whole transcript (system table and user turns too), not only the assistant's turns.
+    transcript_loss: bool = True
 
     def key(self) -> str:
         blob = json.dumps({"dialog_version": ASSETS_VERSION, **self.to_dict()}, sort_keys=True)
@@ -66,14 +84,13 @@ class DialogDemoConfig(DemoConfig):
 
 
 def sample_row(rng: random.Random, rows: int) -> dict:
-    """One desk: a table of ``rows`` distinct ids with statuses, the user's order among them."""
-    ids = rng.sample([f"{a}{d}" for a in "abcdefgh" for d in "0123456789"], rows)
-    # Distinct statuses: a guess is right one time in `rows`.
-    table = dict(zip(ids, rng.sample(STATUSES, rows)))
-    mine = rng.choice(ids)
-    text = " ".join(f"{i}:{s}" for i, s in table.items())
+    """One desk: ``rows`` orders numbered 1.. in table order with distinct statuses (a guess is
+    right one time in ``rows``), the user's order among them; the answer is its line."""
+    lines = [f"#{i + 1}{s}" for i, s in enumerate(rng.sample(STATUSES, rows))]
+    mine = rng.randrange(rows)
+    text = " ".join(lines)
     return {"prompt": [{"role": "system", "content": text}, {"role": "user", "content": REQUEST}],
-            "answer": table[mine], "data_source": DATA_SOURCE, "extra_info": {"order_id": mine, "table": text}}
+            "answer": lines[mine], "data_source": DATA_SOURCE, "extra_info": {"order_id": str(mine + 1), "table": text}}
 
 
 def make_split(cfg: DialogDemoConfig):
@@ -105,10 +122,10 @@ class OrderDeskEnv:
     def step(self, history: List[dict], row: dict):
         turns = sum(m["role"] == "assistant" for m in history)
         last = history[-1]["content"].strip()
-        if last.startswith("is ") or turns >= 2:
-            ok = float(last == f"is {row['ground_truth']}")
-            return None, {"correct": ok, "acc": ok}
-        return {"role": "user", "content": row["extra_info"]["order_id"]}, {"correct": 0.0}
+        if last == ASK and turns < 2:
+            return {"role": "user", "content": row["extra_info"]["order_id"]}, {"correct": 0.0}
+        ok = float(last == row["ground_truth"])  # any other turn is the answer
+        return None, {"correct": ok, "acc": ok}
 
 
 def _write_jsonl(rows, path):
@@ -133,12 +150,11 @@ def _tokenizer(model_dir: str):
 
 
 def demonstration(row: dict, guess: bool, rng: random.Random) -> List[dict]:
-    """The supervised dialogue after the opening: a guess of a random row's status, or ask + answer."""
+    """The supervised dialogue after the opening: a guess (a random line), or ask + answer."""
     if guess:
-        table = dict(x.split(":") for x in row["extra_info"]["table"].split())
-        return [{"role": "assistant", "content": f"is {table[rng.choice(sorted(table))]}"}]
+        return [{"role": "assistant", "content": rng.choice(row["extra_info"]["table"].split())}]
     return [{"role": "assistant", "content": ASK}, {"role": "user", "content": row["extra_info"]["order_id"]},
-            {"role": "assistant", "content": f"is {row['answer']}"}]
+            {"role": "assistant", "content": row["answer"]}]
 
 
 def encode_dialogue(tok, eos: int, row: dict, turns: List[dict]):
@@ -182,6 +198,8 @@ def build_dialog_demo(cfg: DialogDemoConfig, cache_dir: str = ".cache/dapo_demo_
         rng = random.Random(cfg.seed * 7919 + 17)
         encoded = [encode_dialogue(tok, eos, r, demonstration(r, rng.random() < cfg.guess_fraction, rng))
                    for r in train]
+        if cfg.transcript_loss:  # every token after the first is a target
+            encoded = [(p[:1], p[1:] + c, [True] * (len(p) - 1 + len(c))) for p, c, _ in encoded]
         torch.manual_seed(cfg.seed)
         mc = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,

@@ -106,7 +106,10 @@ def test_bad_override_syntax():
         load_config(overrides=["data.train_batch_size"])
 
 
-@pytest.mark.parametrize("name", ["dapo_7b.yaml", "dapo_32b.yaml", "demo.yaml"])
+DIALOG_TEMPLATES = ["dialog_base.yaml", "dialog_distributed.yaml", "dialog_npu.yaml"]
+
+
+@pytest.mark.parametrize("name", ["dapo_7b.yaml", "dapo_32b.yaml", "demo.yaml", "dialog_demo.yaml", *DIALOG_TEMPLATES])
 def test_shipped_configs_load_and_round_trip(name, tmp_path):
     cfg = load_config(os.path.join(CONFIG_DIR, name))
     out = tmp_path / "dump.yaml"
@@ -123,6 +126,37 @@ def test_dapo_recipe_values():
     assert cfg.algorithm.filter_groups.metric == "acc" and cfg.algorithm.filter_groups.max_num_gen_batches == 10
     assert cfg.data.max_response_length == 20480
     assert Config() != cfg
+
+
+@pytest.mark.parametrize("name", DIALOG_TEMPLATES)
+def test_dialog_templates(name):
+    """The multi-turn templates (issue 20): an environment, the dialogue reward with the relevance /
+    coherence scorers, the thresholded filter, and each target's parallel / device settings."""
+    cfg = load_config(os.path.join(CONFIG_DIR, name))
+    a, r, fg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm.filter_groups
+    assert cfg.environment.path and cfg.environment.max_turns > 1 and cfg.data.apply_chat_template
+    assert sorted(cfg.reward_model.dialogue.scorers) == ["coherence", "relevance"]
+    assert cfg.reward_model.dialogue.weights == {"correct": 1.0, "coherence": 0.4, "relevance": 0.6}
+    assert fg.enable and fg.reward_threshold == 0.5 and fg.prefer == "longest"
+    assert fg.metric in ("seq_reward", "seq_final_reward") and fg.max_num_gen_batches >= 15
+    d = a.dynamic_token_len
+    assert (d.long_turns, d.long_factor, d.short_turns, d.short_factor) == (5, 1.5, 2, 0.7)
+    # The memory ceiling lies between the base cap and the unbounded 1.5x.
+    assert a.ppo_max_token_len_per_gpu < d.max_token_len <= 1.5 * a.ppo_max_token_len_per_gpu
+    assert a.use_dynamic_bsz and cfg.actor_rollout_ref.model.dtype == "bfloat16"
+    if name == "dialog_base.yaml":  # one GPU
+        assert (a.strategy, a.tensor_model_parallel_size, r.tensor_model_parallel_size) == ("ddp", 1, 1)
+        assert cfg.trainer.device == "cuda" and r.name == "vllm" and r.gpu_memory_utilization <= 0.4
+    elif name == "dialog_distributed.yaml":  # 8 GPUs: FSDP over 8 data-parallel ranks, rollout TP 4
+        world = 8
+        assert (a.strategy, world // a.tensor_model_parallel_size, r.tensor_model_parallel_size) == ("fsdp2", 8, 4)
+        assert world % r.tensor_model_parallel_size == 0 and cfg.trainer.device == "cuda"
+        # Every data-parallel rank gets sequences of each mini-batch.
+        assert a.ppo_mini_batch_size * r.n >= world
+        assert not [k for k in all_keys() if "sequence_parallel" in k]  # SP left out: no such key yet
+    else:  # Ascend: the device selects the NPU kernels; packed sequences need no remove-padding key
+        assert cfg.trainer.device == "npu" and r.name == "embedded"
+        assert not [k for k in all_keys() if "remove_padding" in k]
 
 
 # --------------------------------------------------------------------------- issue 16 item 9: float values
@@ -154,7 +188,7 @@ def test_float_leaves_found():
     keys = {k for k, _ in FLOAT_LEAVES}
     assert {"actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.rollout.val_kwargs.temperature",
             "actor_rollout_ref.actor.optim.betas[0]", "algorithm.filter_groups.metric.w"} <= keys
-    assert len(keys) == 20
+    assert len(keys) == 24  # 20 + the 4 of actor.dynamic_token_len
 
 
 @pytest.mark.parametrize("bad", [".nan", ".inf", "-.inf", "nan"])

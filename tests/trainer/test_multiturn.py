@@ -305,19 +305,27 @@ class Echo:
 """
 
 
-def test_micro_run_with_environment(tmp_path):
+def echo_setup(tmp_path) -> list:
+    """A micro run's overrides with the Echo environment (up to 3 turns of at most 4 tokens) and a
+    random model whose turns end early (more stop tokens)."""
     root = str(tmp_path)
     (tmp_path / "env.py").write_text(ENV_SRC)
     overrides = micro_setup(root) + [
         f"environment.path={root}/env.py", "environment.name=Echo", "environment.max_turns=3",
         "environment.max_turn_tokens=4", "data.max_response_length=14", "custom_reward_function.path=null",
         "reward_model.dialogue.weights={correct: 1.0, length: 0.5}", "reward_model.overlong_buffer.enable=false",
-        "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.reward_threshold=0.5",
-        "algorithm.filter_groups.prefer=longest", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
-        "trainer.total_training_steps=2", "algorithm.filter_groups.max_num_gen_batches=0"]
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"]
     stops = [1] + [load_tokenizer(f"{root}/model").tok.token_to_id(c) for c in "0123+"]
-    with open(f"{root}/model/generation_config.json", "w") as f:  # the random model ends turns early
+    with open(f"{root}/model/generation_config.json", "w") as f:
         json.dump({"eos_token_id": stops}, f)
+    return overrides
+
+
+def test_micro_run_with_environment(tmp_path):
+    overrides = echo_setup(tmp_path) + [
+        "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.reward_threshold=0.5",
+        "algorithm.filter_groups.prefer=longest", "trainer.total_training_steps=2",
+        "algorithm.filter_groups.max_num_gen_batches=0"]
     t = DAPOTrainer(load_config(overrides=overrides))
     m = t.fit()
     assert m["dialog/turns_per_dialog"] > 1 and m["dialog/env_tokens"] > 0

@@ -67,3 +67,23 @@ def test_bad_run_dir(tmp_path, capsys):
         report.load_metrics(str(tmp_path))
     with pytest.raises(SystemExit, match="dapo-report: .*has no metrics.jsonl"):
         report.main([str(tmp_path / "nope")])
+
+
+def test_dialogue_runs_show_per_turn_statistics(tmp_path):
+    _fake_run(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a multi-turn run's dialog/* metrics on steps 1-3
+        for s, (turns, a_tok, e_tok) in enumerate(((1.25, 40, 10), (1.5, 60, 30), (2.0, 80, 60)), 1):
+            f.write(json.dumps({"step": s, "dialog/turns_per_dialog": turns, "dialog/max_turns_per_dialog": 2,
+                                "dialog/tokens_per_assistant_turn": 4.0 + s, "dialog/tokens_per_env_turn": 4.0,
+                                "dialog/assistant_tokens": a_tok, "dialog/env_tokens": e_tok}) + "\n")
+    html = open(report.write_report(str(tmp_path))).read()
+    for name in ("turns", "turn_tokens", "turn_split"):
+        assert (tmp_path / "report" / f"{name}.png").stat().st_size > 1000, name
+        assert f'src="{name}.png"' in html
+    assert "turns per dialogue</th><td>1.25 (first step) -&gt; 2.00 (last step), mean 1.58" in html
+    assert "tokens per turn (mean)</th><td>assistant 6.0, environment 4.0" in html
+    assert "assistant vs environment tokens</th><td>180 vs 100 (64.3% assistant)" in html
+    # A single-turn run has none of them.
+    _fake_run(tmp_path / "single")
+    html = open(report.write_report(str(tmp_path / "single"))).read()
+    assert "turns.png" not in html and "turns per dialogue" not in html and "turn_split" not in html

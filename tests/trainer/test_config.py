@@ -147,13 +147,13 @@ def test_dialog_templates(name):
     if name == "dialog_base.yaml":  # one GPU
         assert (a.strategy, a.tensor_model_parallel_size, r.tensor_model_parallel_size) == ("ddp", 1, 1)
         assert cfg.trainer.device == "cuda" and r.name == "vllm" and r.gpu_memory_utilization <= 0.4
-    elif name == "dialog_distributed.yaml":  # 8 GPUs: FSDP over 8 data-parallel ranks, rollout TP 4
+    elif name == "dialog_distributed.yaml":  # 8 GPUs: FSDP over all 8 ranks, SP 4 (DP 2), rollout TP 4
         world = 8
-        assert (a.strategy, world // a.tensor_model_parallel_size, r.tensor_model_parallel_size) == ("fsdp2", 8, 4)
+        assert (a.strategy, a.tensor_model_parallel_size, a.ulysses_sequence_parallel_size,
+                r.tensor_model_parallel_size) == ("fsdp2", 1, 4, 4)
         assert world % r.tensor_model_parallel_size == 0 and cfg.trainer.device == "cuda"
         # Every data-parallel rank gets sequences of each mini-batch.
-        assert a.ppo_mini_batch_size * r.n >= world
-        assert not [k for k in all_keys() if "sequence_parallel" in k]  # SP left out: no such key yet
+        assert a.ppo_mini_batch_size * r.n >= world // a.ulysses_sequence_parallel_size
     else:  # Ascend: the device selects the NPU kernels; packed sequences need no remove-padding key
         assert cfg.trainer.device == "npu" and r.name == "embedded"
         assert not [k for k in all_keys() if "remove_padding" in k]

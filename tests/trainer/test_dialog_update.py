@@ -106,7 +106,7 @@ def _multiturn_micro_batch(V, gen):
     batch = {"prompt_ids": torch.randint(2, V, (B, P), generator=gen), "prompt_len": prompt_len,
              "response_ids": torch.randint(2, V, (B, R), generator=gen), "response_len": response_len,
              "response_mask": mask, "advantages": torch.randn(B, generator=gen)}
-    return DAPOTrainer._pack(SimpleNamespace(device=torch.device("cpu")), batch, list(range(B)))
+    return DAPOTrainer._pack(SimpleNamespace(device=torch.device("cpu"), sp=1), batch, list(range(B)))
 
 
 def test_old_and_ref_log_probs_projected_only_where_the_mask_is_set(tmp_path):

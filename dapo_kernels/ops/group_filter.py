@@ -37,12 +37,14 @@ from .._registry import dispatch, register
 from .._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_float, check_int, check_tensor
 from ._triton_utils import cdiv, next_pow2
 
-# Elements per program of the atomics kernels: long coalesced loads, few atomics in flight.
-_BLOCK = 1024
-# Elements per program of the contiguous kernel's [groups, members] tile: fits registers.
-_TILE = 4096
-# A 4096-element float64 tile plus its int64 keys: 8 warps keep it in registers.
-_CONTIG_WARPS = 8
+# Elements per program of the atomics kernels: coalesced loads, few atomics in flight; at 1024
+# (4 warps) ptxas spills the float64 pass-2 math on sm_80 (benchmarks/gpu/aot.py).
+_BLOCK = 512
+# Elements per program of the contiguous kernel's [groups, members] tile, over 16 warps: 4 float64
+# values (plus int64 keys and per-group sums) per thread. 4096 over 8 warps spilled for groups of
+# 2 to 16 members (the per-group vectors of 512+ groups), 4096 over 16 warps still for 2 to 8.
+_TILE = 2048
+_CONTIG_WARPS = 16
 # Widest group the contiguous kernel reduces in one tile; wider groups use the atomics path.
 _MAX_CONTIG_GROUP = 4096
 # Order-preserving int64 keys of float64 values: flipping the 63 low bits of negatives

@@ -28,8 +28,11 @@ from ._triton_utils import INTERPRET, cdiv
 # GPU backward: the dz buffer of one vocab chunk; 1 GiB keeps the two cuBLAS matmuls large
 # while the extra memory stays far below [N, V] logits (10 GB at N=16k, V=152k).
 _TRITON_DZ_BYTES = 1 << 30
-# Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64.
-_BLOCK_M, _BLOCK_V, _BLOCK_K = 64, 128, 64
+# Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64;
+# fp32 inputs step K by 16: their IEEE products run on the CUDA cores with the operand tiles in
+# registers, which spill at 64 (and at 32 in the backward on sm_90; benchmarks/gpu/aot.py).
+_BLOCK_M, _BLOCK_V = 64, 128
+_BLOCK_K = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
 _NUM_WARPS = 8
 
 
@@ -204,7 +207,7 @@ def stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
     if n:
         _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M), splits)](
             hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split,
-            ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K,
+            ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype],
             NUM_STATS=NUM_STATS, num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
         )
     return stats
@@ -235,7 +238,7 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
         if n:
             _linear_log_probs_bwd_kernel[(cdiv(n, _BLOCK_M), cdiv(nc, _BLOCK_V))](
                 hidden, weight, labels, *args, dz, n, v, h, vocab_start, inv_temp, v0, nc,
-                BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
+                BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype], num_warps=_NUM_WARPS,
                 **_dot_flags(hidden.dtype),
             )
         torch.mm(dz.t(), hidden, out=d_w[v0:v0 + nc])

@@ -20,6 +20,7 @@ from typing import Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from .._alloc import empty_output
 from .._registry import current_backend, dispatch, register, use_backend
@@ -34,10 +35,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (the kernels keep scores and lse in base-2 units throughout; see _varlen_attention_fwd).
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# Rows a program owns (outer block): 128 keeps a Hopper SM's tensor cores busy for
-# D <= 128; D = 256 halves it so the Q/acc tiles still fit in registers. The interpreter
-# uses tiny blocks so CPU tests cover several blocks (and partial ones) per sequence.
-_OUTER_BLOCK_GPU = {16: 128, 32: 128, 64: 128, 96: 128, 128: 128, 256: 64}
+# Rows a program owns (outer block) in the interpreter: tiny, so CPU tests cover several blocks
+# (and partial ones) per sequence. The GPU's are in _GPU_TILES.
 _OUTER_BLOCK_INTERPRET = 32
 # Rows of the delta preprocess per program: one [32, D] tile of O and dO.
 _DELTA_ROWS = 32
@@ -55,24 +54,84 @@ def _dtype_meta(dtype: torch.dtype) -> dict:
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-# (inner block, warps, stages): 64-wide tiles with 3 stages is FA2-on-Hopper's usual point;
-# 32-wide for the register-heavy backward and D = 256 (where 64 x 3 stages overflows smem).
-_HOPPER_INNER = ((32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 2))
+# GPU tiles per (kernel, arch family, input element size), by head dim: the outer block (rows a
+# program owns; its work list is built for it) and the (inner block, warps, stages) configs the
+# autotuner times. Each one compiled without register spills, within the chip's shared memory,
+# causal and not, in the AOT sweep (benchmarks/gpu/aot.py; table in benchmarks/RESULTS.md;
+# tests/test_aot_compile.py checks again); every other config is pruned before launch (_prune).
+# Family 90 is Hopper, 80 every other chip (compiled for sm_80). 16-bit inputs on Hopper keep
+# outer blocks >= 64 (wgmma computes 64 rows per warpgroup), except dK/dV at D = 256: it spills
+# at every such tile, so it runs 32-row blocks on mma.sync. fp32 inputs multiply in IEEE fp32 on
+# the CUDA cores, with whole rows of the operand tiles in registers: small tiles. ptxas allocates
+# differently per head dim (96 is not 128) and per arch, hence the table.
+_F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
+             **dict.fromkeys((96, 128), (64, ((16, 8, 2), (16, 8, 3)))), 256: (32, ((16, 8, 3),))}
+_F32_FWD = {16: (64, ((32, 4, 2), (32, 8, 2))), **dict.fromkeys((32, 64), (64, ((16, 8, 2), (32, 8, 2)))),
+            **dict.fromkeys((96, 128), (32, ((16, 8, 2),))), 256: (16, ((16, 8, 2),))}
+_F32_DKDV = {16: (64, ((16, 4, 2),)), 32: (16, ((16, 8, 2),)), 64: (32, ((16, 8, 2),)), 96: (16, ((16, 8, 1),)),
+             128: (16, ((16, 8, 2),))}
+_F32_DQ = {16: (64, ((32, 4, 2), (32, 8, 2))), 32: (64, ((32, 8, 2),)), 64: (64, ((16, 8, 2), (32, 8, 2))),
+           **dict.fromkeys((96, 128), (32, ((16, 8, 2),))), 256: (16, ((16, 4, 2), (16, 8, 2)))}
+_SMALL_D = (128, ((64, 4, 3), (64, 8, 3), (128, 8, 3)))
+_GPU_TILES = {
+    ("fwd", 90, 2): {**dict.fromkeys((16, 32, 64), _SMALL_D), **dict.fromkeys((96, 128), (128, ((64, 8, 3),))),
+                     256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
+                     **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("dkdv", 90, 2): _F16_DKDV,
+    ("dkdv", 80, 2): _F16_DKDV,
+    ("dq", 90, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3), (128, 8, 3))), 64: (128, ((32, 4, 3), (64, 8, 3))),
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (64, ((16, 8, 3),))},
+    ("dq", 80, 2): {16: _SMALL_D, **dict.fromkeys((32, 64), (128, ((32, 8, 3), (64, 8, 3)))),
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("fwd", 90, 4): _F32_FWD,
+    ("fwd", 80, 4): _F32_FWD,
+    ("dkdv", 90, 4): {**_F32_DKDV, 256: (16, ((16, 8, 3),))},
+    ("dkdv", 80, 4): {**_F32_DKDV, 256: (16, ((16, 8, 2),))},
+    ("dq", 90, 4): _F32_DQ,
+    ("dq", 80, 4): _F32_DQ,
+}
 # LPT order of the work lists; False keeps (sequence, block) order (GPU check compares).
 _LONGEST_FIRST = True
+_ARCH_FAMILY = {}
 
 
-def _inner_configs(name: str):
-    """Autotune space of the inner (streamed) block; the interpreter gets one small config
+def _arch_family() -> int:
+    """90 on Hopper, else 80: the _GPU_TILES family of the GPU Triton compiles for."""
+    device = driver.active.get_current_device()
+    if device not in _ARCH_FAMILY:
+        _ARCH_FAMILY[device] = 90 if driver.active.get_current_target().arch == 90 else 80
+    return _ARCH_FAMILY[device]
+
+
+def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
+    """(outer block, ((inner block, warps, stages), ...)) of ``kernel`` for these inputs on this GPU."""
+    return _GPU_TILES[kernel, _arch_family(), dtype.itemsize][head_dim]
+
+
+def _inner_configs(kernel: str, name: str):
+    """Autotune space of the inner (streamed) block ``name``: every config _GPU_TILES has for
+    ``kernel`` (each launch is pruned to its own); the interpreter gets one small config
     (autotuning interpreted kernels would run every config on the CPU)."""
     if INTERPRET:
         return [triton.Config({name: 16}, num_warps=1, num_stages=1)]
-    # Four Hopper candidates (each costs a compile at the first call per key).
-    return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in _HOPPER_INNER]
+    tiles = {c for (k, _, _), by_d in _GPU_TILES.items() if k == kernel for _, cs in by_d.values() for c in cs}
+    return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in sorted(tiles)]
 
 
-def _outer_block(head_dim: int) -> int:
-    return _OUTER_BLOCK_INTERPRET if INTERPRET else _OUTER_BLOCK_GPU[head_dim]
+def _prune(kernel: str, name: str) -> dict:
+    """``prune_configs_by``: keep the configs _GPU_TILES lists for this launch's arch, dtype and
+    head dim. The autotune key holds all three (HEAD_DIM, DOT_T; one arch per process)."""
+    def early_config_prune(configs, named_args, **kwargs):
+        if INTERPRET:
+            return configs
+        offered = _tiles(kernel, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
+        return [c for c in configs if (c.kwargs[name], c.num_warps, c.num_stages) in offered]
+    return {"early_config_prune": early_config_prune}
+
+
+def _outer_block(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
+    return _OUTER_BLOCK_INTERPRET if INTERPRET else _tiles(kernel, dtype, head_dim)[0]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -125,7 +184,8 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
     return b_acc, b_l, b_m
 
 
-@triton.autotune(configs=_inner_configs("BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL"])
+@triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "DOT_T"],
+                 prune_configs_by=_prune("fwd", "BLOCK_N"))
 @triton.jit
 def _varlen_attention_fwd_kernel(
     p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale,
@@ -223,7 +283,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
     return b_dk, b_dv
 
 
-@triton.autotune(configs=_inner_configs("BLOCK_M"), key=["HEAD_DIM", "IS_CAUSAL"])
+@triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"), key=["HEAD_DIM", "IS_CAUSAL", "DOT_T"],
+                 prune_configs_by=_prune("dkdv", "BLOCK_M"))
 @triton.jit
 def _varlen_attention_bwd_dkdv_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
@@ -296,7 +357,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi,
     return b_dq
 
 
-@triton.autotune(configs=_inner_configs("BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL"])
+@triton.autotune(configs=_inner_configs("dq", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "DOT_T"],
+                 prune_configs_by=_prune("dq", "BLOCK_N"))
 @triton.jit
 def _varlen_attention_bwd_dq_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_cu, p_work, T, Hq, GROUP, qk_scale, sm_scale,
@@ -386,7 +448,7 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
     lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    block = _outer_block(D)
+    block = _outer_block("fwd", q.dtype, D)
     work = _work_list(cu_seqlens, T, block, causal, per_key=False)
     _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
         q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], softmax_scale * _LOG2E,
@@ -413,14 +475,15 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     dv = empty_output(v.shape, dtype=v.dtype, device=v.device)
     if T == 0:
         return dq, dk, dv
-    block = _outer_block(D)
     delta = _launch_delta(out, dout)
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **_dtype_meta(q.dtype))
     scales = (softmax_scale * _LOG2E, softmax_scale)
+    block = _outer_block("dkdv", q.dtype, D)
     work_kv = _work_list(cu_seqlens, T, block, causal, per_key=True)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block, **meta,
     )
+    block = _outer_block("dq", q.dtype, D)
     work_q = _work_list(cu_seqlens, T, block, causal, per_key=False)
     _varlen_attention_bwd_dq_kernel[(work_q.shape[0] * Hq,)](
         q, k, v, dout, lse, delta, dq, cu_seqlens, work_q, T, Hq, Hq // Hkv, *scales, BLOCK_M=block, **meta,

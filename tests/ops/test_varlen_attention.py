@@ -13,8 +13,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 import dapo_kernels as dk
+import dapo_kernels.ops.varlen_attention as va
 from dapo_kernels.ops.varlen_attention import SUPPORTED_HEAD_DIMS, _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
@@ -204,6 +206,44 @@ def test_matches_padded_sdpa():
         with backend(impl):
             got = dk.varlen_attention(q, k, v, cu, S)
         torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- GPU tiles
+_TILE_PAIRS = sorted({(outer, inner) for by_d in va._GPU_TILES.values() for outer, cs in by_d.values()
+                      for inner, _, _ in cs})
+_GPU_ONLY_PAIRS = [p for p in _TILE_PAIRS if p != (va._OUTER_BLOCK_INTERPRET, 16)]  # 32 / 16: every test
+
+
+def test_gpu_tiles_cover_every_head_dim_and_nest():
+    """Every arch family / dtype / head dim has tiles, and each inner block divides its outer
+    block (the causal kernels walk the diagonal block in inner steps)."""
+    for kernel in ("fwd", "dkdv", "dq"):
+        for arch in (90, 80):
+            for dtype in va._DTYPES:
+                by_d = va._GPU_TILES[kernel, arch, dtype.itemsize]
+                assert set(SUPPORTED_HEAD_DIMS) <= set(by_d), (kernel, arch, dtype)
+    assert all(outer % inner == 0 for outer, inner in _TILE_PAIRS), _TILE_PAIRS
+
+
+@pytest.mark.parametrize("outer,inner", _GPU_ONLY_PAIRS, ids=[f"outer{o}-inner{i}" for o, i in _GPU_ONLY_PAIRS])
+def test_gpu_tile_shapes_match_reference(outer, inner, monkeypatch):
+    """The interpreter runs 32 / 16 blocks; the GPU's (outer, inner) pairs of _GPU_TILES run
+    here too, so a tile shape only the GPU uses (inner = outer, 4 or 8 inner steps per outer
+    block) is proven on the CPU: sequences span several outer blocks, partial ones included."""
+    monkeypatch.setattr(va, "_OUTER_BLOCK_INTERPRET", outer)
+    for kernel, name in ((va._varlen_attention_fwd_kernel, "BLOCK_N"),
+                         (va._varlen_attention_bwd_dkdv_kernel, "BLOCK_M"), (va._varlen_attention_bwd_dq_kernel, "BLOCK_N")):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({name: inner}, num_warps=1, num_stages=1)])
+    lengths = [2 * outer + inner // 2 + 3, 0, 1, outer - 1, 5]
+    for causal in (True, False):
+        q, k, v, cu = _inputs(lengths, 16, 2, 1, FP32)
+        out, lse, grads, dout = _run("triton", q, k, v, cu, max(lengths), causal, None)
+        ref = _ref(q, k, v, cu, causal, None, dout, torch.float64)
+        low = _torch_in_dtype(q, k, v, cu, causal, None, dout, ref)
+        assert_close_to_ref(out, ref[0], low[0], name="out")
+        assert_close_to_ref(lse, ref[1], low[1].float(), name="lse")
+        for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
+            assert_close_to_ref(g, r, t, name=name)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -359,12 +359,29 @@ def markdown(records: List[Record]) -> str:
     return "\n".join(lines)
 
 
+def summary(records: List[Record]) -> str:
+    """One row per kernel and arch: kernels compiled, the largest registers / shared memory, how
+    many spill, the MMA instructions used, and the rule breaks (documented exceptions apart)."""
+    lines = ["| kernel | arch | compiled | max registers | max shared memory (B) | spilling | MMA | "
+             "rule breaks (exceptions) |", "|---|---|---|---|---|---|---|---|"]
+    for arch in ARCHS:
+        for kernel in dict.fromkeys(r.kernel for r in records if r.arch == arch):
+            rs = [r for r in records if (r.kernel, r.arch) == (kernel, arch)]
+            broken = [(r, v) for r in rs for v in violations(r)]
+            excepted = sum(1 for r, v in broken if exception_of(r, v))
+            spilling = sum(1 for r in rs if r.stack or r.spill_stores)
+            mma = ", ".join(sorted({r.mma for r in rs}))
+            lines.append(f"| {kernel} | sm_{arch} | {len(rs)} | {max(r.regs for r in rs)} | {max(r.smem for r in rs)} "
+                         f"| {spilling} | {mma} | {len(broken) - excepted} ({excepted}) |")
+    return "\n".join(lines)
+
+
 def _write(records: List[Record], args) -> None:
     records.sort(key=lambda r: (ARCHS.index(r.arch), r.case))  # stable: compile order within a case
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in records]))
     if args.markdown:
-        pathlib.Path(args.markdown).write_text(markdown(records) + "\n")
+        pathlib.Path(args.markdown).write_text(summary(records) + "\n\n" + markdown(records) + "\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -13,10 +13,10 @@ configs are exactly those a GPU run compiles (Triton also specialises integer ar
 divisibility by 16; the sizes here are multiples of 16, the common case).
 
 Per compiled kernel: registers and stack frame from the cubin (``cuobjdump
---dump-resource-usage``; in these kernels a stack frame only ever holds spilled registers, and
-``ptxas -v`` gives the spill-store bytes when it is not empty), shared memory = Triton's dynamic
-allocation + the cubin's static one, and the MMA instruction in the PTX (``wgmma`` on Hopper,
-``mma`` = mma.sync, ``-`` = CUDA-core FMA only).
+--dump-resource-usage``; these kernels call no functions and keep no local arrays, so a stack frame
+only ever holds spilled registers: ``ptxas -v`` reports as many spill-store bytes), shared memory =
+Triton's dynamic allocation + the cubin's static one, and the MMA instruction in the PTX
+(``wgmma`` on Hopper, ``mma`` = mma.sync, ``-`` = CUDA-core FMA only).
 
 ``--set full`` (default) is the sweep recorded in benchmarks/RESULTS.md; ``--set test`` the subset
 tests/test_aot_compile.py compiles (see :func:`cases`). Compiled kernels are cached on disk by
@@ -236,7 +236,6 @@ class Record:
     case: int = 0
     regs: int = 0
     stack: int = 0
-    spill_stores: int = 0
     smem: int = 0
     mma: str = "-"
     compile_s: float = 0.0
@@ -279,9 +278,8 @@ def _aot_mode(arch: int, on_compile):
         driver.set_active(orig_driver)
 
 
-def _resources(kernel, arch: int) -> dict:
+def _resources(kernel) -> dict:
     import triton
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -290,17 +288,9 @@ def _resources(kernel, arch: int) -> dict:
                                check=True).stdout
         found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
         regs, stack, static_smem = (int(x) for x in found.groups())
-        spill = 0
-        if stack:  # the ptxas and flags Triton compiled with (its make_cubin), now keeping the log
-            ptx = os.path.join(tmp, "k.ptx")
-            pathlib.Path(ptx).write_text(kernel.asm["ptx"])
-            log = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
-                                  f"--gpu-name={sm_arch_from_capability(arch)}", ptx, "-o", os.devnull],
-                                 capture_output=True, text=True, check=True).stderr
-            spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
     ptx = kernel.asm["ptx"]
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma" if re.search(r"\bmma\.sync", ptx) else "-"
-    return dict(regs=regs, stack=stack, spill_stores=spill, smem=kernel.metadata.shared + static_smem, mma=mma)
+    return dict(regs=regs, stack=stack, smem=kernel.metadata.shared + static_smem, mma=mma)
 
 
 def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None) -> List[Record]:
@@ -313,7 +303,7 @@ def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None) -> List
         i, case = current[0]
         cfg = " ".join(f"{k.replace('num_', '')}={v}" for k, v in kwargs.items() if _CONFIG_KEYS.match(k))
         rec = Record(name, cfg, case.op, case.dtype, case.inputs, arch, i, compile_s=round(seconds, 2),
-                     **_resources(kernel, arch))
+                     **_resources(kernel))
         records.append(rec)
         if log:
             log(rec)
@@ -330,8 +320,8 @@ def violations(rec: Record) -> List[str]:
     out = []
     if rec.smem > SMEM_LIMIT[rec.arch]:
         out.append(f"shared memory {rec.smem} B > {SMEM_LIMIT[rec.arch]} B")
-    if rec.stack or rec.spill_stores:
-        out.append(f"spills ({rec.stack} B stack, {rec.spill_stores} B spill stores)")
+    if rec.stack:
+        out.append(f"spills ({rec.stack} B of stack)")
     if rec.arch == 90 and rec.kernel in MATMUL_KERNELS and rec.dtype != "float32" and rec.mma != "wgmma":
         out.append(f"no wgmma (mma: {rec.mma})")
     return out
@@ -349,13 +339,12 @@ def exception_of(rec: Record, violation: str) -> Optional[tuple]:
 
 def markdown(records: List[Record]) -> str:
     lines = ["| kernel | config | op: dtype, inputs | arch | registers | shared memory (B) | "
-             "spills (stack / spill-store B) | MMA | rule |", "|---|---|---|---|---|---|---|---|---|"]
+             "spills (stack B) | MMA | rule |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        spill = "0" if not (r.stack or r.spill_stores) else f"{r.stack} / {r.spill_stores}"
         broken = violations(r)
         rule = "; ".join(("exception: " if exception_of(r, v) else "FAIL: ") + v for v in broken) or "ok"
         lines.append(f"| {r.kernel} | {r.config or '-'} | {r.op}: {r.dtype}, {r.inputs} | sm_{r.arch} | {r.regs} | "
-                     f"{r.smem} | {spill} | {r.mma} | {rule} |")
+                     f"{r.smem} | {r.stack} | {r.mma} | {rule} |")
     return "\n".join(lines)
 
 
@@ -369,7 +358,7 @@ def summary(records: List[Record]) -> str:
             rs = [r for r in records if (r.kernel, r.arch) == (kernel, arch)]
             broken = [(r, v) for r in rs for v in violations(r)]
             excepted = sum(1 for r, v in broken if exception_of(r, v))
-            spilling = sum(1 for r in rs if r.stack or r.spill_stores)
+            spilling = sum(1 for r in rs if r.stack)
             mma = ", ".join(sorted({r.mma for r in rs}))
             lines.append(f"| {kernel} | sm_{arch} | {len(rs)} | {max(r.regs for r in rs)} | {max(r.smem for r in rs)} "
                          f"| {spilling} | {mma} | {len(broken) - excepted} ({excepted}) |")

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (the H200 lent through the device tool):
 
-    python benchmarks/gpu_check.py            # all checks
+    python benchmarks/gpu_check.py            # all checks, DEFAULT_ORDER first
     python benchmarks/gpu_check.py packing    # only checks whose name contains 'packing'
     python benchmarks/gpu_check.py fused_linear_policy_loss varlen_attention   # those two, in that order
 
@@ -29,6 +29,10 @@ sys.path.insert(0, str(HERE))
 
 from gpu.common import Report  # noqa: E402
 
+# Without arguments, the checks that matter most run first, so that a run cut off by its time
+# limit still has them; any other check follows in name order.
+DEFAULT_ORDER = ("fused_linear_policy_loss", "varlen_attention", "packing", "group_filter", "model")
+
 
 def _git_commit() -> str:
     try:
@@ -52,10 +56,8 @@ def main() -> int:
         f"date {datetime.date.today()} | GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | "
         f"triton {__import__('triton').__version__} | commit {_git_commit()}"
     )
-    checks = sorted((HERE / "gpu").glob("check_*.py"))
-    if args.only:  # in the order given: put the checks that matter most first when time is short
-        checks = [p for o in args.only for p in checks if o in p.stem[len("check_"):]]
-        checks = list(dict.fromkeys(checks))
+    names = {p.stem[len("check_"):]: p for p in sorted((HERE / "gpu").glob("check_*.py"))}
+    checks = _ordered(names, args.only or [*DEFAULT_ORDER, *names])
     for path in checks:
         name = path.stem[len("check_"):]
         t0 = time.time()
@@ -73,6 +75,15 @@ def main() -> int:
         _write(header, report)  # after every check: a run cut off by its time limit keeps what it measured
     print("\n" + _write(header, report))
     return 1 if report.failed else 0
+
+
+def _ordered(names: dict, wanted) -> list:
+    """The checks named in ``wanted`` order (a full name selects itself, a substring every check that
+    contains it), each once: put the checks that matter most first when time is short."""
+    out = []
+    for w in wanted:
+        out += [names[w]] if w in names else [p for n, p in names.items() if w in n]
+    return list(dict.fromkeys(out))
 
 
 def _write(header: str, report: Report) -> str:

@@ -22,7 +22,8 @@ Groups balanced_partitions(const int64_t* values, int64_t n, int64_t k, bool equ
 
 // Micro-batches with token sums <= max_tokens, as few as the search finds (see .cpp),
 // balanced by `workloads` (may alias `tokens`). The count is >= min_count and a
-// multiple of `multiple_of`.
+// multiple of `multiple_of`; both must be in 1..n (checked before any arithmetic: a count
+// above n is an error, never clamped, as in verl). O(n log^2 n) (see .cpp).
 Groups micro_batches(const int64_t* tokens, const int64_t* workloads, int64_t n, int64_t max_tokens,
                      int64_t min_count, int64_t multiple_of);
 

@@ -142,6 +142,16 @@ def register_device_kernels(device_type: str, kernels: Dict[str, Callable]) -> N
         _device_kernels.setdefault(device_type, {})[name] = fn
 
 
+def backend_kernel_serves(name: str, device: torch.device | str) -> bool:
+    """True if a kernel registered through :func:`register_device_kernels` runs ``name``
+    (``"dapo::op"``) for tensors on ``device``, so that no implementation of this registry does
+    (whatever :func:`current_backend` says). torch_npu names the privateuseone device "npu"."""
+    dev_type = torch.device(device).type
+    if dev_type == torch._C._get_privateuse1_backend_name():
+        dev_type = OUT_OF_TREE_DEVICE
+    return name in _device_kernels.get(dev_type, {})
+
+
 def device_kernels(device_type: str) -> Dict[str, Callable]:
     """``{"dapo::op": fn}`` that backends have registered on ``device_type``."""
     return dict(_device_kernels.get(device_type, {}))

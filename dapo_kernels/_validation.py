@@ -10,6 +10,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ._cache import per_tensor_cache
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -85,20 +87,70 @@ def check_float(name: str, value, *, valid: Optional[Callable[[float], bool]] = 
     return float(value)
 
 
+def check_float_or_tensor(name: str, value, *, valid: Callable, expected: str, device=None) -> torch.Tensor:
+    """A real number given as a Python int / float or a 1-element int / float tensor, returned as
+    a 0-dim fp64 tensor on ``device``.
+
+    ``valid`` is applied to the number (a ``ValueError`` as in :func:`check_float`) or to the fp64
+    tensor on the device, so write it with operators that work on both (``(v >= 0) & (v < inf)``).
+    A tensor is checked with ``torch._assert_async`` (no host sync): a ``RuntimeError`` naming the
+    argument, at once on the CPU; on an accelerator a device-side assert at the next
+    synchronisation, which leaves that device unusable for the process (CUDA's rule).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number or a 1-element int / float tensor, got {value.dtype}")
+        t = value.reshape(()).to(device=device, dtype=torch.float64)
+        torch._assert_async(valid(t), f"{name} must be {expected} (checked on the device)")
+        return t
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be an int, a float or a 1-element tensor, got {type(value).__name__}")
+    return torch.tensor(check_float(name, value, valid=lambda v: bool(valid(v)), expected=expected),
+                        dtype=torch.float64, device=device)
+
+
+@per_tensor_cache
+def cu_seqlens_boundaries(cu_seqlens: torch.Tensor) -> tuple:
+    """(first, last, number of decreasing steps) of a non-empty ``cu_seqlens``: one transfer of three
+    scalars, read once per batch (every layer of a packed model passes the same tensor)."""
+    c = cu_seqlens.detach()
+    steps = (c[1:] < c[:-1]).sum().long() if c.numel() > 1 else c[0].long() * 0
+    return tuple(torch.stack([c[0].long(), c[-1].long(), steps]).tolist())
+
+
+@per_tensor_cache
+def value_range(t: torch.Tensor) -> tuple:
+    """(min, max) of a non-empty tensor: one read per tensor (the label range check of the log-prob
+    ops, which a packed batch's micro-batches reuse across epochs)."""
+    return tuple(torch.stack(torch.aminmax(t)).tolist())
+
+
+def to_device_checked(t: torch.Tensor, device) -> torch.Tensor:
+    """``t.to(device)``, with the facts the ops check of an integer tensor (its range; as
+    ``cu_seqlens``, its boundaries) read from ``t`` while it is still on the host, where that
+    costs no sync: checking the device copy then reads nothing. For data built on the host
+    (packed ids, labels, ``cu_seqlens``), the way a trainer feeds micro-batches."""
+    check_tensor("t", t)
+    out = t.to(device)
+    if t.device.type == "cpu" and t.dim() == 1 and t.numel() and not t.is_floating_point() and not t.is_complex():
+        value_range.prime(out, value=value_range(t))
+        cu_seqlens_boundaries.prime(out, value=cu_seqlens_boundaries(t))
+    return out
+
+
 def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens", device=None) -> int:
     """Validate cumulative sequence lengths; return the batch size.
 
     Expected: int32 (or int64) 1-D ``[B+1]``, ``cu_seqlens[0] == 0``, non-decreasing,
-    ``cu_seqlens[-1] == total_tokens``. Reading the tensor costs one host sync.
+    ``cu_seqlens[-1] == total_tokens``. Reading the tensor costs one host sync the first time a
+    given tensor (at a given version) is checked; later checks of it read nothing.
     """
     check_tensor(name, cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must have at least one element (B+1 with B >= 0), got 0")
-    c = cu_seqlens.detach()
-    # One transfer of three scalars instead of three syncs.
-    first, last, bad = torch.stack(
-        [c[0].long(), c[-1].long(), (c[1:] < c[:-1]).sum().long() if c.numel() > 1 else c[0].long() * 0]
-    ).tolist()
+    first, last, bad = cu_seqlens_boundaries(cu_seqlens)
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
     if bad:

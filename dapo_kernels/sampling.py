@@ -155,10 +155,12 @@ class DynamicBatchAccumulator:
         N = self._check_batch(batch_tensors, group_index, keep, scores)
         gi = group_index.long()
         n = self.n_per_prompt
-        big = torch.iinfo(torch.int64).max
-        sort_key, order = torch.sort(torch.where(keep, gi, big), stable=True)
+        # Kept rows first, by group index: a second stable sort on ~keep, not a sentinel index for
+        # the dropped rows, which any valid int64 index could equal.
+        by_group = torch.argsort(gi, stable=True)
+        order = by_group[torch.argsort(~keep[by_group], stable=True)]
         pos = torch.arange(N, device=gi.device)
-        start = _boundaries(sort_key) & (sort_key != big)
+        start = _boundaries(gi[order]) & keep[order]
         zero = gi.new_zeros(())
         n_rows = keep.sum()
         n_groups = start.sum()

@@ -6,9 +6,15 @@ message naming the argument.
 
 * :func:`check_tensor` ``(name, t, *, ndim, dtypes, device, shape)`` - a tensor argument;
 * :func:`check_int` / :func:`check_float` / :func:`check_flag` - Python scalars (bool is not a number);
+* :func:`check_float_or_tensor` - a number that may also come as a 1-element tensor, whose value is
+  checked on the device without a host sync (a ``RuntimeError`` from ``torch._assert_async``);
 * :func:`check_cu_seqlens` ``(cu_seqlens, total_tokens)`` - packed-sequence boundaries (one host sync);
+* :func:`to_device_checked` ``(t, device)`` - copy host-built integer data (ids, labels, ``cu_seqlens``)
+  to the device with its checked facts, so the ops' checks of the copy read nothing;
 * ``FLOAT_DTYPES`` / ``INT_DTYPES`` - the dtypes the ops accept for floats / integer ids and masks.
 """
-from ._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_flag, check_float, check_int, check_tensor
+from ._validation import (FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_flag, check_float, check_float_or_tensor,
+                          check_int, check_tensor, to_device_checked)
 
-__all__ = ["check_tensor", "check_int", "check_float", "check_flag", "check_cu_seqlens", "FLOAT_DTYPES", "INT_DTYPES"]
+__all__ = ["check_tensor", "check_int", "check_float", "check_flag", "check_float_or_tensor", "check_cu_seqlens",
+           "to_device_checked", "FLOAT_DTYPES", "INT_DTYPES"]

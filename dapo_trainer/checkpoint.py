@@ -1,20 +1,35 @@
-"""Checkpoints that a killed run resumes from exactly.
+"""Checkpoints that a killed run resumes from exactly, written and read without pickle.
 
 Layout under ``<trainer.default_local_dir>/checkpoints``::
 
-    global_step_N/model/              HF safetensors + config.json + tokenizer files (loadable anywhere)
-    global_step_N/optim_rank{r}.pt    optimiser + LR schedule of rank r (its own TP shard)
-    global_step_N/state_rank{r}.pt    step, data cursor, the accumulator's carried-over groups, RNG states
-    latest_checkpointed_iteration.txt N (verl's name)
+    global_step_N/model/                      HF safetensors + config.json + tokenizer files (loadable anywhere)
+    global_step_N/optim_rank{r}.safetensors   optimiser + LR schedule of rank r (its own TP / FSDP shard)
+    global_step_N/state_rank{r}.safetensors   step, data cursor, the accumulator's carried-over groups, RNG states
+    global_step_N/manifest.json               written last: step, save sequence number, every file and its size
+    latest_checkpointed_iteration.txt         N (verl's name; for tools, auto-resume does not need it)
 
-A checkpoint is written into ``.global_step_N.tmp`` and renamed when every rank has
-finished, and the ``latest`` file is replaced the same way, so a crash at any moment
-leaves the previous checkpoint intact and never a half-written one marked as latest.
+State files hold their tensors as safetensors and everything else as JSON in the
+safetensors header (:func:`save_state_file`): loading one never runs code, unlike the
+``torch.load`` of a pickle, which runs whatever the file says.
+
+Crash safety. A save writes ``.global_step_N.tmp`` and its manifest, then renames it to
+``global_step_N``; re-saving a step first renames the existing directory to
+``.global_step_N.old`` and deletes it only once the new one is in place. A directory is
+never deleted under its final name, so at every instant each step that had a complete
+checkpoint still has one under one of its three names, and :func:`recover` (run by rank 0
+before every save and every auto-resume) keeps the newest complete copy of each step as
+``global_step_N`` and deletes the rest. "Complete" means a manifest whose files all exist
+with their recorded sizes; "newest" is the manifest's save sequence number, so a later run
+that re-saved lower steps (``resume_mode=disable`` / ``resume_path``) wins over an earlier
+run's higher steps, and a save killed before its manifest never wins over a finished one.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
+import re
 import shutil
 from typing import Optional
 
@@ -23,7 +38,11 @@ import torch
 import torch.distributed as dist
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+_FORMAT = "dapo_trainer.checkpoint/2"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+_STEP_DIR = re.compile(r"^\.?global_step_(\d+)(\.tmp|\.old)?$")
+log = logging.getLogger(__name__)
 
 
 def _barrier():
@@ -33,6 +52,10 @@ def _barrier():
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def rng_state() -> dict:
@@ -58,21 +81,259 @@ def load_accumulator_state(acc, state: dict) -> None:
     acc.load_state_dict(state)
 
 
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+# ---------------------------------------------------------------------- state files
+def _encode(obj, tensors: dict, where: str):
+    """JSON-able form of ``obj``; tensors go to ``tensors`` and are referenced by name.
+
+    JSON has no tuples, int keys or arrays, and the state needs them (``random.setstate``
+    wants tuples, the optimiser's state is keyed by int): each gets a one-key tag.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj  # FSDP2: this rank's shard
+        t = t.detach().cpu()
+        # safetensors refuses views into a larger or shared storage: store those as copies.
+        storage = t.untyped_storage()
+        if not t.is_contiguous() or storage.nbytes() != t.numel() * t.element_size() or \
+                (t.numel() and storage.data_ptr() in tensors["ptrs"]):
+            t = t.contiguous().clone()
+        tensors["ptrs"].add(t.untyped_storage().data_ptr())
+        name = str(len(tensors["by_name"]))
+        tensors["by_name"][name] = t
+        return {"__tensor__": name}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": [str(obj.dtype), obj.tolist()]}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {"__items__": [[_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")]
+                              for k, v in obj.items()]}
+    raise TypeError(f"checkpoint state {where} is a {type(obj).__name__}; state files hold tensors, arrays, "
+                    "numbers, strings, None and lists / tuples / dicts of them")
+
+
+def _decoder(tensors: dict, path: str):
+    def hook(d: dict):
+        tags = [k for k in d if k.startswith("__")]
+        if not tags:
+            return d
+        if len(d) != 1:
+            raise ValueError(f"{path}: malformed state entry {sorted(d)}")
+        tag, v = tags[0], d[tags[0]]
+        if tag == "__tensor__":
+            return tensors[v]
+        if tag == "__tuple__":
+            return tuple(v)
+        if tag == "__items__":
+            return {k: val for k, val in v}
+        if tag == "__ndarray__":
+            return np.asarray(v[1], dtype=np.dtype(v[0]))
+        raise ValueError(f"{path}: unknown state entry {tag!r}")
+    return hook
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_state_file(obj, path: str) -> None:
+    """Write ``obj`` (nested dicts / lists / tuples of tensors, arrays, numbers, strings)
+    as a safetensors file whose header carries the non-tensor part as JSON."""
+    from safetensors.torch import save_file
+
+    tensors = {"by_name": {}, "ptrs": set()}
+    meta = json.dumps(_encode(obj, tensors, "state"))
+    save_file(tensors["by_name"], path, metadata={"format": _FORMAT, "state": meta})
+
+
+def load_state_file(path: str):
+    """Read what :func:`save_state_file` wrote. Anything else (a pickle, a truncated or
+    foreign file) is a ValueError naming the file; nothing in the file is executed."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors' own error type is not public
+        raise ValueError(f"{path} is not a dapo_trainer state file ({e}); pickled states are never loaded") from None
+    if meta.get("format") != _FORMAT or "state" not in meta:
+        raise ValueError(f"{path} is not a dapo_trainer state file (header format {meta.get('format')!r})")
+    try:
+        return json.loads(meta["state"], object_hook=_decoder(tensors, path))
+    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: malformed state ({e})") from None
+
+
+# ---------------------------------------------------------------------- completeness, recovery
+def _read_manifest(ckpt_dir: str) -> dict:
+    with open(os.path.join(ckpt_dir, MANIFEST)) as f:
+        return json.load(f)
+
+
+def incomplete_reason(ckpt_dir: str) -> Optional[str]:
+    """Why ``ckpt_dir`` is not a complete checkpoint, or None when it is."""
+    if not os.path.isdir(ckpt_dir):
+        return "no such directory"
+    if not os.path.isfile(os.path.join(ckpt_dir, MANIFEST)):
+        if any(f.endswith(".pt") for f in os.listdir(ckpt_dir)):
+            return "pickled state (*.pt) from an older version: never loaded, since a pickle can run code"
+        return f"no {MANIFEST}: its save did not finish"
+    try:
+        man = _read_manifest(ckpt_dir)
+        files, step = dict(man["files"]), int(man["step"])
+        int(man["sequence"])  # present and an integer: auto-resume orders checkpoints by it
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({e})"
+    m = _STEP_DIR.match(os.path.basename(ckpt_dir))
+    if m and int(m.group(1)) != step:
+        return f"{MANIFEST} says step {step}"
+    for name, size in files.items():
+        p = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(p):
+            return f"{name} is missing"
+        if os.path.getsize(p) != size:
+            return f"{name} has {os.path.getsize(p)} bytes, {MANIFEST} says {size}"
+    return None
+
+
+def _sequence(ckpt_dir: str) -> int:
+    return int(_read_manifest(ckpt_dir)["sequence"])
+
+
+def _rmtree(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _fsync_dir(path: str) -> None:
+    _fsync_file(path)  # makes renames inside ``path`` durable
+
+
+def _settle(ckpt_root: str, step: int) -> None:
+    """Make the newest complete copy of ``step`` its ``global_step_N`` and delete the others.
+
+    Every operation is a rename or the deletion of a copy that is incomplete or has a newer
+    complete copy elsewhere, so a kill between any two leaves a state this function settles.
+    """
+    final = os.path.join(ckpt_root, f"global_step_{step}")
+    tmp = os.path.join(ckpt_root, f".global_step_{step}.tmp")
+    old = os.path.join(ckpt_root, f".global_step_{step}.old")
+    copies = [p for p in (final, tmp, old) if os.path.isdir(p)]
+    complete = [p for p in copies if incomplete_reason(p) is None]
+    best = max(complete, key=_sequence) if complete else None
+    for p in copies:
+        if p not in (best, final):
+            _rmtree(p)
+    if best is None or best == final:
+        return
+    aside = tmp if best == old else old  # removed above
+    if os.path.isdir(final):
+        os.replace(final, aside)  # the replaced copy stays whole until the new one is in place
+    os.replace(best, final)
+    _fsync_dir(ckpt_root)
+    _rmtree(aside)
+
+
+def recover(ckpt_root: str) -> None:
+    """Finish or undo whatever a killed save left under ``ckpt_root`` (rank 0 only)."""
+    if not os.path.isdir(ckpt_root):
+        return
+    steps = set()
+    for name in os.listdir(ckpt_root):
+        m = _STEP_DIR.match(name)
+        if m and m.group(2):
+            steps.add(int(m.group(1)))
+        elif name.startswith(LATEST_FILE + ".tmp"):
+            os.remove(os.path.join(ckpt_root, name))
+    for step in sorted(steps):
+        _settle(ckpt_root, step)
+
+
+def _complete_checkpoints(ckpt_root: str):
+    """(complete: [(sequence, step, dir)], skipped: [(dir, reason)]) over the ``global_step_N`` dirs."""
+    complete, skipped = [], []
+    if not os.path.isdir(ckpt_root):
+        return complete, skipped
+    for name in sorted(os.listdir(ckpt_root)):
+        m = _STEP_DIR.match(name)
+        if not m or m.group(2):
+            continue
+        d = os.path.join(ckpt_root, name)
+        why = incomplete_reason(d)
+        if why is None:
+            complete.append((_sequence(d), int(m.group(1)), d))
+        else:
+            skipped.append((d, why))
+    return complete, skipped
+
+
+def _write_latest(ckpt_root: str, step: int) -> None:
+    latest = os.path.join(ckpt_root, LATEST_FILE)
+    tmp = f"{latest}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest)
+    _fsync_dir(ckpt_root)
 
 
 def latest_checkpoint(ckpt_root: str) -> Optional[str]:
-    """Directory of the newest complete checkpoint under ``ckpt_root``, or None."""
-    path = os.path.join(ckpt_root, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        step = int(f.read().strip())
-    d = os.path.join(ckpt_root, f"global_step_{step}")
-    return d if os.path.isdir(d) else None
+    """Directory of the newest complete checkpoint under ``ckpt_root``, or None (collective).
+
+    Rank 0 first settles what a killed save left (:func:`recover`), then logs each
+    checkpoint passed over and why, and points ``latest_checkpointed_iteration.txt`` at
+    the one chosen.
+    """
+    if _rank() == 0:
+        recover(ckpt_root)
+    _barrier()
+    complete, skipped = _complete_checkpoints(ckpt_root)
+    best = max(complete) if complete else None
+    if _rank() == 0:
+        for d, why in skipped:
+            log.warning("checkpoint %s skipped: %s", d, why)
+        for seq, step, d in complete:
+            if best and step > best[1]:
+                log.warning("checkpoint %s skipped: saved before %s (save %d < %d: an earlier run)",
+                            d, best[2], seq, best[0])
+        if best:
+            log.info("resuming from %s", best[2])
+            latest = os.path.join(ckpt_root, LATEST_FILE)
+            current = None
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    current = f.read().strip()
+            if current != str(best[1]):
+                _write_latest(ckpt_root, best[1])
+        elif skipped:
+            log.warning("no complete checkpoint under %s: starting from step 0", ckpt_root)
+    _barrier()
+    return best[2] if best else None
+
+
+# ---------------------------------------------------------------------- save / load
+def _check_finite(step: int, full_state: dict) -> None:
+    floats = [(k, v) for k, v in full_state.items() if v.is_floating_point()]
+    if not floats:
+        return
+    ok = torch.stack([torch.isfinite(v).all() for _, v in floats]).cpu()  # one read per save
+    if not bool(ok.all()):
+        bad = [k for (k, _), good in zip(floats, ok.tolist()) if not good]
+        raise RuntimeError(f"refusing to checkpoint step {step}: non-finite weights in {bad[:5]}"
+                           f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint is kept")
 
 
 def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optimizer, scheduler, trainer_state: dict,
@@ -80,15 +341,19 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
     """Write ``global_step_{step}`` (collective: every rank calls it). Returns its path.
 
     ``full_state``: the unsharded model ``state_dict`` (every rank gathers it; rank 0 writes).
-    ``trainer_state``: this rank's picklable state (cursor, accumulator, step, ...).
+    ``trainer_state``: this rank's state (cursor, accumulator, step, ...): tensors, arrays,
+    numbers, strings and containers of them. Non-finite weights are refused (RuntimeError)
+    before anything is written.
     """
     from .hf_io import save_hf_model
 
+    _check_finite(step, full_state)
     rank = _rank()
     final = os.path.join(ckpt_root, f"global_step_{step}")
     tmp = os.path.join(ckpt_root, f".global_step_{step}.tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(ckpt_root, exist_ok=True)
+        recover(ckpt_root)
         os.makedirs(tmp)
     _barrier()
     if rank == 0:
@@ -96,20 +361,44 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
         for name in _TOKENIZER_FILES:  # so the checkpoint is a usable model directory
             if model_src_dir and os.path.isfile(os.path.join(model_src_dir, name)):
                 shutil.copy(os.path.join(model_src_dir, name), os.path.join(tmp, "model", name))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-               os.path.join(tmp, f"optim_rank{rank}.pt"))
-    torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"state_rank{rank}.pt"))
+    save_state_file({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                    os.path.join(tmp, f"optim_rank{rank}.safetensors"))
+    save_state_file({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"state_rank{rank}.safetensors"))
     _barrier()
     if rank == 0:
-        if os.path.isdir(final):  # re-saving a step (e.g. after a resume) replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest = os.path.join(ckpt_root, LATEST_FILE)
-        with open(latest + ".tmp", "w") as f:
-            f.write(str(step))
-        os.replace(latest + ".tmp", latest)
+        files = {}
+        for d, _, names in os.walk(tmp):
+            for name in names:
+                p = os.path.join(d, name)
+                _fsync_file(p)
+                files[os.path.relpath(p, tmp)] = os.path.getsize(p)
+        seqs = [seq for seq, _, _ in _complete_checkpoints(ckpt_root)[0]]
+        manifest = {"format": _FORMAT, "step": step, "sequence": max(seqs, default=0) + 1,
+                    "world_size": _world(), "files": files}
+        with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(tmp, MANIFEST + ".part"), os.path.join(tmp, MANIFEST))
+        _fsync_dir(tmp)
+        _settle(ckpt_root, step)  # the tmp copy is now the newest complete one of this step
+        _write_latest(ckpt_root, step)
     _barrier()
     return final
+
+
+def _restore_dtensors(optimizer, optim_state: dict) -> None:
+    """FSDP2: each rank saved its shard of the moments; wrap them like their parameters."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for k, st in optim_state["state"].items():
+        p = params[k]
+        if not hasattr(p, "to_local"):
+            continue
+        local = p.to_local()
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local.shape:
+                st[name] = type(p).from_local(v.to(local.device), p.device_mesh, p.placements, run_check=False,
+                                              shape=p.shape, stride=p.stride())
 
 
 def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:
@@ -117,14 +406,16 @@ def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:
 
     The model weights are read by the trainer from ``ckpt_dir/model`` when it builds the model.
     """
-    rank = _rank()
-    path = os.path.join(ckpt_dir, f"state_rank{rank}.pt")
-    if not os.path.isfile(path):
-        raise ValueError(f"trainer.resume_mode: checkpoint {ckpt_dir!r} has no state for rank {rank}; "
-                         "resume with the same number of processes it was written with")
-    optim = torch.load(os.path.join(ckpt_dir, f"optim_rank{rank}.pt"), weights_only=False)
+    rank, world = _rank(), _world()
+    path = os.path.join(ckpt_dir, f"state_rank{rank}.safetensors")
+    saved = _read_manifest(ckpt_dir).get("world_size") if os.path.isfile(os.path.join(ckpt_dir, MANIFEST)) else None
+    if not os.path.isfile(path) or saved not in (None, world):
+        raise ValueError(f"trainer.resume_mode: checkpoint {ckpt_dir!r} was written by {saved or 'another number of'} "
+                         f"processes, this run has {world} (no state for rank {rank}); resume with the same number")
+    optim = load_state_file(os.path.join(ckpt_dir, f"optim_rank{rank}.safetensors"))
+    state = load_state_file(path)
+    _restore_dtensors(optimizer, optim["optimizer"])
     optimizer.load_state_dict(optim["optimizer"])
     scheduler.load_state_dict(optim["scheduler"])
-    state = torch.load(path, weights_only=False)
     set_rng_state(state.pop("rng"))
     return state

@@ -7,7 +7,11 @@ file, applies the overrides (each value parsed as YAML, so ``true``, ``1e-6`` an
 * an unknown key is a ``ValueError`` naming the closest valid key;
 * a value of the wrong type is a ``TypeError`` naming the key;
 * inconsistent values (a batch size that does not divide, an unknown mode) are a
-  ``ValueError`` naming the key.
+  ``ValueError`` naming the key;
+* every float must be finite and in its key's range (``_FLOAT_RANGES``), also where the
+  setting that uses it is off;
+* a key given twice in one file (or one override's mapping) is a ``ValueError`` naming the key
+  and its line, not "the last one wins".
 
 Keys follow verl (``actor_rollout_ref.actor.clip_ratio_high``, ...), so a verl DAPO
 command line ports by copying its ``key=value`` arguments.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -23,6 +28,7 @@ from typing import Any, Dict, List, Optional, Union
 import yaml
 
 from dapo_kernels import KL_TYPES, LOSS_AGG_MODES
+from dapo_kernels.validation import check_float
 
 from .rollout.base import RolloutConfig
 
@@ -181,6 +187,7 @@ class TrainerConfig:
     resume_mode: str = "auto"
     resume_from_path: Optional[str] = None
     seed: int = 1
+    max_nonfinite_steps: int = 3  # >= 1; stop after this many steps in a row with an update skipped as non-finite
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "npu"
     logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
     progress_bar: bool = True
@@ -208,6 +215,36 @@ class Config:
 
 
 # --------------------------------------------------------------------------- loading
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last).
+
+    A ``<<`` merge key is not a duplicate: keys written next to it override the merged ones by
+    YAML's definition.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = key in first
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+                mark = key_node.start_mark
+                if seen:
+                    raise ValueError(f"duplicate config key {key!r} in {mark.name}, line {mark.line + 1} "
+                                     f"(first at line {first[key].line + 1})")
+                first[key] = mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_load(stream):
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
+
+
 def _hints(cls) -> Dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -280,8 +317,12 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", str(t).replace("typing.", ""))
 
 
-def _set(obj, path: List[str], value, full_key: str) -> None:
-    """Assign ``value`` at ``path`` under the dataclass ``obj``; a mapping merges into a section."""
+def _set(obj, path: List[str], value, full_key: str, seen: Optional[set] = None) -> None:
+    """Assign ``value`` at ``path`` under the dataclass ``obj``; a mapping merges into a section.
+
+    ``seen``: the leaf keys this mapping has set so far; setting one again (``a.b: 1`` and
+    ``a: {b: 2}`` in one file) is a duplicate key.
+    """
     name = path[0]
     if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
         raise _unknown_key(full_key)
@@ -289,23 +330,29 @@ def _set(obj, path: List[str], value, full_key: str) -> None:
     if len(path) > 1:
         if not dataclasses.is_dataclass(tp):
             raise _unknown_key(full_key)
-        _set(getattr(obj, name), path[1:], value, full_key)
+        _set(getattr(obj, name), path[1:], value, full_key, seen)
     elif dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise TypeError(f"config key {full_key!r} is a section; give a mapping, got {type(value).__name__}")
         for k, v in value.items():
-            _set(getattr(obj, name), [str(k)], v, f"{full_key}.{k}")
+            _set(getattr(obj, name), [str(k)], v, f"{full_key}.{k}", seen)
     else:
+        if seen is not None:
+            if full_key in seen:
+                raise ValueError(f"duplicate config key {full_key!r}: set twice in one file")
+            seen.add(full_key)
         setattr(obj, name, _coerce(full_key, value, tp))
 
 
 def apply_dict(cfg: Config, tree: dict, prefix: str = "") -> Config:
-    """Merge a nested mapping (a parsed YAML file) into ``cfg``; returns it."""
+    """Merge a nested mapping (a parsed YAML file) into ``cfg``; returns it. A key set twice
+    (spelled dotted once and nested once) is a ``ValueError``."""
     if not isinstance(tree, dict):
         raise TypeError(f"config file must hold a mapping at the top level, got {type(tree).__name__}")
+    seen: set = set()
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        _set(cfg, key.split("."), v, key)
+        _set(cfg, key.split("."), v, key, seen)
     return cfg
 
 
@@ -316,7 +363,7 @@ def apply_override(cfg: Config, override: str) -> Config:
     key, raw = override.split("=", 1)
     key = key.strip().lstrip("+")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     _set(cfg, key.split("."), value, key)
@@ -330,11 +377,58 @@ def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
     cfg = Config()
     if yaml_path is not None:
         with open(yaml_path) as f:
-            tree = yaml.safe_load(f) or {}
+            tree = _yaml_load(f) or {}
         apply_dict(cfg, tree)
     for o in overrides:
         apply_override(cfg, o)
     return validate(cfg)
+
+
+# Every float key (list items and mapping values under their list's / mapping's key): its valid
+# range, None for any finite value. Finiteness is checked for every float, listed or not;
+# tests/trainer/test_config.py checks that every float key is listed.
+_FLOAT_RANGES = {
+    "actor_rollout_ref.rollout.temperature": (lambda v: v > 0, "> 0 for training"),
+    "actor_rollout_ref.rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "actor_rollout_ref.rollout.val_kwargs.temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"),
+    "actor_rollout_ref.rollout.val_kwargs.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "actor_rollout_ref.actor.clip_ratio_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "actor_rollout_ref.actor.clip_ratio_high": (lambda v: v >= 0, ">= 0"),
+    "actor_rollout_ref.actor.clip_ratio_c": (lambda v: v > 1, "> 1"),
+    "actor_rollout_ref.actor.entropy_coeff": None,
+    "actor_rollout_ref.actor.kl_loss_coef": (lambda v: v >= 0, ">= 0"),
+    "actor_rollout_ref.actor.grad_clip": (lambda v: v > 0, "> 0"),
+    "actor_rollout_ref.actor.optim.lr": (lambda v: v >= 0, ">= 0"),
+    "actor_rollout_ref.actor.optim.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "actor_rollout_ref.actor.optim.betas": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "actor_rollout_ref.actor.optim.eps": (lambda v: v >= 0, ">= 0"),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "algorithm.filter_groups.metric": None,
+    "reward_model.overlong_buffer.penalty_factor": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def float_values(obj, prefix: str = ""):
+    """``(range key, full key, value)`` of every float in the dataclass ``obj``, with list items
+    as ``key[i]`` and mapping values as ``key.name`` (range key: ``key``)."""
+    for f in dataclasses.fields(obj):
+        key, v = prefix + f.name, getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from float_values(v, key + ".")
+        elif isinstance(v, float):
+            yield key, key, v
+        elif isinstance(v, (list, tuple)):
+            yield from ((key, f"{key}[{i}]", x) for i, x in enumerate(v) if isinstance(x, float))
+        elif isinstance(v, dict):
+            yield from ((key, f"{key}.{k}", x) for k, x in v.items() if isinstance(x, float))
+
+
+def _check_floats(cfg: Config) -> None:
+    for range_key, key, v in float_values(cfg):
+        valid, expected = _FLOAT_RANGES.get(range_key) or (lambda x: True, "")
+        check_float(f"config key {key!r}", v, valid=lambda x: math.isfinite(x) and valid(x),
+                    expected=f"finite and {expected}" if expected else "finite")
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -343,7 +437,8 @@ def _require(ok: bool, key: str, msg: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks; ValueError naming the key."""
+    """Value and cross-field checks; ValueError naming the key."""
+    _check_floats(cfg)
     d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     for key, v in (("data.train_batch_size", d.train_batch_size), ("data.max_prompt_length", d.max_prompt_length),
                    ("data.max_response_length", d.max_response_length), ("actor_rollout_ref.rollout.n", r.n),
@@ -352,7 +447,8 @@ def validate(cfg: Config) -> Config:
                    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
                    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
                    ("actor_rollout_ref.actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
-                   ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps)):
+                   ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps),
+                   ("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)):
         _require(v >= 1, key, f"must be >= 1, got {v}")
     _require(d.gen_batch_size is None or d.gen_batch_size >= 1, "data.gen_batch_size",
              f"must be >= 1, got {d.gen_batch_size}")
@@ -371,15 +467,9 @@ def validate(cfg: Config) -> Config:
              f"must be one of {KL_TYPES}, got {a.kl_loss_type!r}")
     _require(a.strategy in ("ddp", "fsdp2"), "actor_rollout_ref.actor.strategy",
              f"must be 'ddp' or 'fsdp2', got {a.strategy!r}")
-    _require(0 <= a.clip_ratio_low < 1, "actor_rollout_ref.actor.clip_ratio_low", f"must be in [0, 1), got {a.clip_ratio_low}")
-    _require(a.clip_ratio_high >= 0, "actor_rollout_ref.actor.clip_ratio_high", f"must be >= 0, got {a.clip_ratio_high}")
-    _require(a.clip_ratio_c > 1, "actor_rollout_ref.actor.clip_ratio_c", f"must be > 1, got {a.clip_ratio_c}")
-    _require(a.grad_clip > 0, "actor_rollout_ref.actor.grad_clip", f"must be > 0, got {a.grad_clip}")
     _require(len(a.optim.betas) == 2, "actor_rollout_ref.actor.optim.betas", f"must hold 2 floats, got {a.optim.betas}")
     _require(cfg.actor_rollout_ref.model.dtype in ("float32", "bfloat16", "float16"), "actor_rollout_ref.model.dtype",
              f"must be float32, bfloat16 or float16, got {cfg.actor_rollout_ref.model.dtype!r}")
-    _require(r.temperature > 0, "actor_rollout_ref.rollout.temperature", f"must be > 0 for training, got {r.temperature}")
-    _require(0 < r.top_p <= 1, "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.name in ("embedded", "vllm"), "actor_rollout_ref.rollout.name",
              f"must be 'embedded' or 'vllm', got {r.name!r}")
     m = cfg.algorithm.filter_groups.metric
@@ -392,8 +482,6 @@ def validate(cfg: Config) -> Config:
     if ob.enable:
         _require(0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",
                  f"must be in [1, data.max_response_length={d.max_response_length}], got {ob.len}")
-        _require(ob.penalty_factor >= 0, "reward_model.overlong_buffer.penalty_factor",
-                 f"must be >= 0, got {ob.penalty_factor}")
     t = cfg.trainer
     _require(t.resume_mode in RESUME_MODES, "trainer.resume_mode", f"must be one of {RESUME_MODES}, got {t.resume_mode!r}")
     _require(t.resume_mode != "resume_path" or bool(t.resume_from_path), "trainer.resume_from_path",

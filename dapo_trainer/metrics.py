@@ -1,8 +1,10 @@
 """Where the metrics go: ``metrics.jsonl``, a tqdm progress bar, TensorBoard when installed.
 
 Every line of ``metrics.jsonl`` is one JSON object with ``"step"`` and float metrics
-(names in ``dapo_trainer/CONTRACT.md``). On resume the file is cut back to the resumed
-step, so a step that crashed before its checkpoint is never listed twice.
+(names in ``dapo_trainer/CONTRACT.md``; a string value such as ``actor/skip_reason`` is
+written as is). On resume the file is cut back to the resumed step, and a run that starts
+from step 0 starts it empty, so a step that crashed before its checkpoint (step 0's
+validation included) is never listed twice.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        # Drop lines of steps after the checkpoint we resume from: they are recomputed.
-        kept = [m for m in read_metrics(run_dir) if m.get("step", 0) <= start_step]
+        # Drop lines of steps after the checkpoint we resume from: they are recomputed. From
+        # step 0 nothing is kept: the validation before training is rerun and logs step 0.
+        kept = [m for m in read_metrics(run_dir) if m.get("step", 0) <= start_step] if start_step > 0 else []
         _atomic_write_text(self.path, "".join(json.dumps(m) + "\n" for m in kept))
         if tensorboard:
             try:
@@ -66,14 +69,15 @@ class MetricsLogger:
     def log(self, step: int, metrics: Dict[str, float]) -> None:
         if not self.enabled:
             return
-        line = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        line = {"step": step, **{k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
             f.flush()
             os.fsync(f.fileno())
         if self.tb is not None:
             for k, v in metrics.items():
-                self.tb.add_scalar(k, float(v), step)
+                if not isinstance(v, str):
+                    self.tb.add_scalar(k, float(v), step)
 
     def progress(self, step: int, metrics: Dict[str, float]) -> None:
         """Advance the bar to ``step`` with the headline numbers (tqdm adds the ETA)."""

@@ -11,7 +11,9 @@ One step (``DAPOTrainer.train_step``):
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
    token-capped micro-batches (``dk.micro_batches``) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
-   gradient all-reduce, clipping, AdamW with warmup;
+   gradient all-reduce, clipping, AdamW with warmup; an update whose loss or gradient norm
+   is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such
+   steps in a row);
 6. push the weights to the rollout engine; log.
 
 Parallelism: every rank runs the same rollout (same seed, same prompts), so every rank
@@ -21,6 +23,7 @@ is split over data-parallel ranks and, inside a DP rank, tensor parallel over
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import dapo_kernels as dk
+from dapo_kernels.validation import to_device_checked
 
 from . import checkpoint as ckpt
 from . import data as data_mod
@@ -44,6 +48,14 @@ from .rollout import make_rollout
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics of the update that are per-token fractions, averaged over response tokens.
 _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
+# The update's metric sums kept on the device, in this order (token-weighted ones times tokens).
+_DEVICE_SUMS = ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "tokens")
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``trainer.max_nonfinite_steps`` steps in a row had their updates skipped for a
+    non-finite loss or gradient norm."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,9 +126,11 @@ class DAPOTrainer:
             d.train_batch_size, self.rollout_cfg.n, fg.max_num_gen_batches if fg.enable else 0,
             carry_over=fg.carry_over)
         self.global_step = 0
+        self.nonfinite_streak = 0  # consecutive steps with a skipped update
         if self.resume_dir:
             state = ckpt.load_checkpoint(self.resume_dir, optimizer=self.optimizer, scheduler=self.scheduler)
             self.global_step = state["step"]
+            self.nonfinite_streak = state.get("nonfinite_streak", 0)
             self.cursor.load_state_dict(state["cursor"])
             ckpt.load_accumulator_state(self.accumulator, state["accumulator"])
 
@@ -151,8 +165,9 @@ class DAPOTrainer:
         if t.resume_mode == "disable":
             return None
         if t.resume_mode == "resume_path":
-            if not os.path.isdir(os.path.join(t.resume_from_path, "model")):
-                raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a checkpoint directory")
+            why = ckpt.incomplete_reason(t.resume_from_path)
+            if why is not None:
+                raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a complete checkpoint: {why}")
             return t.resume_from_path
         return ckpt.latest_checkpoint(self.ckpt_root)
 
@@ -332,9 +347,11 @@ class DAPOTrainer:
         labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
         dev = self.device
         lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
-        return {"input_ids": input_ids.to(dev), "labels": labels.to(dev), "mask": torch.cat(mask).to(dev),
-                "advantages": torch.cat(adv).to(dev), "cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=dev),
-                "max_seqlen": max(lens)}
+        # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
+        # read nothing of them inside the micro-batch loop.
+        return {"input_ids": to_device_checked(input_ids, dev), "labels": to_device_checked(labels, dev),
+                "mask": torch.cat(mask).to(dev), "advantages": torch.cat(adv).to(dev),
+                "cu_seqlens": to_device_checked(torch.tensor(cu, dtype=torch.int32), dev), "max_seqlen": max(lens)}
 
     @torch.no_grad()
     def _log_probs(self, model, mb: dict, entropy: bool):
@@ -353,7 +370,7 @@ class DAPOTrainer:
         if not on_policy:
             for mbs in packed:
                 for mb in mbs:
-                    mb["old_log_prob"], mb["entropy"] = self._log_probs(self.model, mb, True)
+                    mb["old_log_prob"], _ = self._log_probs(self.model, mb, False)
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.ref_model is not None:
@@ -363,25 +380,25 @@ class DAPOTrainer:
             timing["timing_s/ref"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        sums = defaultdict(float)
-        n_updates = 0
+        # Token-weighted metric sums stay on the device through the micro-batch loop (no host read
+        # there); the loss and the gradient norm are read once per update, to decide whether to apply it.
+        acc = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.device)
+        loss_sum = norm_sum = 0.0
+        n_updates, skipped, has_kl = 0, [], False
         weight = self.model.lm_head.weight
         seq_mode = a.loss_agg_mode.startswith("seq")
         dp_scale = self.dp if (a.strategy == "fsdp2" and self.dp > 1) else 1
-        for _ in range(a.ppo_epochs):
-            for p, mbs in zip(plan, packed):
+        for epoch in range(a.ppo_epochs):
+            for i, (p, mbs) in enumerate(zip(plan, packed)):
                 self.optimizer.zero_grad(set_to_none=True)
+                mini_loss = torch.zeros((), dtype=torch.float64, device=self.device)
                 for mb in mbs:
                     hidden = self.model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-                    if on_policy:
-                        # Ratio exactly 1: the old log-probs are the current ones, detached.
-                        with torch.no_grad():
-                            mb["old_log_prob"], mb["entropy"] = self.model.log_probs(
-                                hidden.detach(), mb["labels"], temperature=self.rollout_cfg.temperature,
-                                return_entropy=True)
+                    # On-policy (old_log_prob None): the op takes the old log-probs from its own
+                    # forward (ratio exactly 1), so no separate log-prob pass runs.
                     loss, m = dk.fused_linear_policy_loss(
-                        hidden, weight, mb["labels"], mb["old_log_prob"], mb["advantages"], mb["mask"],
-                        temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
+                        hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
+                        mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
                         clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                         loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
                         cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
@@ -389,39 +406,56 @@ class DAPOTrainer:
                         if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
                         entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
                         kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
-                        process_group=self.model.tp_group)
+                        process_group=self.model.tp_group, calculate_entropy=True)
                     (loss * dp_scale).backward()
-                    ntok = float(mb["mask"].sum())
-                    sums["loss"] += float(loss.detach())
-                    sums["pg_loss"] += float(m["pg_loss"])
-                    if "kl_loss" in m:
-                        sums["kl_loss"] += float(m["kl_loss"])
-                    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                        sums[key] += float(m[key]) * ntok
-                    sums["entropy"] += float((mb["entropy"] * mb["mask"]).sum())
-                    sums["tokens"] += ntok
+                    ntok = mb["mask"].sum().double()
+                    has_kl = has_kl or "kl_loss" in m
+                    mini_loss += loss.detach().double()
+                    acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
+                                        *(m[k].double() * ntok for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
+                                        (m["entropy"].double() * mb["mask"]).sum(), ntok])
+                # A rank whose loss is not finite makes its gradient NaN, so that the gradient
+                # reduction (or the norm's all-reduce) hands every rank a non-finite norm and all of
+                # them skip the update together.
+                self._poison_grads_unless_finite(mini_loss)
                 self._reduce_grads()
-                sums["grad_norm"] += self._clip_grads()
-                self.optimizer.step()
-                n_updates += 1
-        self.scheduler.step()
+                loss_val, norm = torch.stack([mini_loss, self._clip_grads().double()]).tolist()
+                loss_sum, norm_sum = loss_sum + loss_val, norm_sum + norm
+                if math.isfinite(norm) and math.isfinite(loss_val):
+                    self.optimizer.step()
+                    n_updates += 1
+                else:  # not applied: the weights and Adam's moments stay as they were
+                    what = f"loss {loss_val}" if not math.isfinite(loss_val) else f"gradient norm {norm}"
+                    skipped.append(f"epoch {epoch + 1} mini-batch {i + 1}: non-finite {what}")
+        if n_updates:  # a step with no applied update does not advance the LR schedule
+            self.scheduler.step()
         timing["timing_s/update_actor"] = time.perf_counter() - t0
-        keys = sorted(sums)
-        vals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        if self.dp > 1:
-            grad_norm_idx = keys.index("grad_norm")
-            vals[grad_norm_idx] /= self.dp  # identical on every rank: keep it unsummed
-            dist.all_reduce(vals, group=self.dp_group)
-        s = dict(zip(keys, vals.tolist()))
-        out = {"actor/loss": s["loss"] / n_updates, "actor/pg_loss": s["pg_loss"] / n_updates,
-               "actor/grad_norm": s["grad_norm"] / n_updates, "actor/lr": self.optimizer.param_groups[0]["lr"],
-               "actor/num_updates": n_updates}
+        if self.dp > 1:  # the norm is identical on every rank: only the per-rank sums are summed
+            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=self.device)])
+            dist.all_reduce(acc, group=self.dp_group)
+            *sums, loss_sum = acc.tolist()
+        else:
+            sums = acc.tolist()
+        s = dict(zip(_DEVICE_SUMS, sums))
+        n_mini = a.ppo_epochs * len(plan)
+        out = {"actor/loss": loss_sum / n_mini, "actor/pg_loss": s["pg_loss"] / n_mini,
+               "actor/grad_norm": norm_sum / n_mini, "actor/lr": self.optimizer.param_groups[0]["lr"],
+               "actor/num_updates": n_updates, "actor/skipped_updates": len(skipped)}
+        if skipped:
+            out["actor/skip_reason"] = "; ".join(skipped)
         for key in _TOKEN_AVG:
             out[f"actor/{key}"] = s[key] / max(s["tokens"], 1.0)
-        if "kl_loss" in s:
-            out["actor/kl_loss"] = s["kl_loss"] / n_updates
+        if has_kl:
+            out["actor/kl_loss"] = s["kl_loss"] / n_mini
         out.update(timing)
         return out
+
+    def _poison_grads_unless_finite(self, loss: torch.Tensor) -> None:
+        """Add NaN to this rank's gradients when ``loss`` is not finite, else 0 (no host read)."""
+        poison = torch.where(torch.isfinite(loss), 0.0, float("nan")).float()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.add_(poison)  # a 0-dim tensor operand: a foreach op would read it on the CPU
 
     def _reduce_grads(self) -> None:
         """Sum gradients over data-parallel ranks (FSDP does it itself)."""
@@ -435,11 +469,12 @@ class DAPOTrainer:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _clip_grads(self) -> float:
-        """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return it."""
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return the norm
+        (a 0-dim tensor on the device: nothing is read here)."""
         clip = self.actor_cfg.grad_clip
         if self.tp == 1:
-            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         sharded = tp_shard_dims(self.model)
         sq = torch.zeros(2, dtype=torch.float64, device=self.device)
         grads = []
@@ -449,10 +484,10 @@ class DAPOTrainer:
                 grads.append(p.grad)
         shard_sq = sq[:1].clone()
         dist.all_reduce(shard_sq, group=self.tp_group)
-        norm = float((shard_sq[0] + sq[1]).sqrt())
-        if math.isfinite(norm) and norm > clip:
-            for g in grads:
-                g.mul_(clip / (norm + 1e-6))
+        norm = (shard_sq[0] + sq[1]).sqrt()
+        coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()  # as clip_grad_norm_, on the device
+        for g in grads:
+            g.mul_(coef)
         return norm
 
     def sync_weights(self) -> None:
@@ -490,6 +525,9 @@ class DAPOTrainer:
         t0 = time.perf_counter()
         batch, metrics = self.collect(step)
         metrics.update(self.update(batch))
+        self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["actor/skipped_updates"] else 0
+        if metrics["actor/skipped_updates"] and self.rank == 0:
+            logger.warning("step %d: update skipped: %s", step, metrics["actor/skip_reason"])
         t1 = time.perf_counter()
         self.sync_weights()
         metrics["timing_s/update_weights"] = time.perf_counter() - t1
@@ -501,7 +539,7 @@ class DAPOTrainer:
 
     def save(self) -> str:
         state = {"step": self.global_step, "cursor": self.cursor.state_dict(),
-                 "accumulator": ckpt.accumulator_state(self.accumulator)}
+                 "accumulator": ckpt.accumulator_state(self.accumulator), "nonfinite_streak": self.nonfinite_streak}
         full = full_state_dict(self.model) if self.sharded else self.model.state_dict()
         model = self.rollout_model if self.sharded else self.model
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=model, full_state=full,
@@ -528,6 +566,12 @@ class DAPOTrainer:
                     metrics["timing_s/validate"] = time.perf_counter() - t0
                 log.log(step, metrics)
                 log.progress(step, metrics)
+                if self.nonfinite_streak >= t.max_nonfinite_steps:
+                    raise NonFiniteTrainingError(
+                        f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}: {self.nonfinite_streak} steps in a row "
+                        f"(the last: step {step}, {metrics['actor/skip_reason']}) had a non-finite loss or gradient "
+                        "norm, and their updates were skipped; stopping. The weights are those of the last applied "
+                        "update; look at the learning rate, the loss coefficients and the data before resuming")
                 if (t.save_freq > 0 and step % t.save_freq == 0) or last:
                     self.save()
         finally:

@@ -20,19 +20,26 @@ How the call is built, from the torch_npu API reference of ``npu_fusion_attentio
   mask) with the compressed ``[2048, 2048]`` bool mask, True above the diagonal
   (= masked). Non-causal: ``sparse_mode=0``, no mask (the TND sequence bounds still apply).
 * ``scale`` is passed explicitly: its default is 1, not ``1/sqrt(D)``.
-* ``softmax_max`` / ``softmax_sum`` come back as ``[T, Hq, 8]`` fp32 (8 equal copies per
-  row; shape as documented for ``npu_ring_attention_update``'s TND inputs), from which
-  ``lse = max + log(sum)``, returned in the unit the op's other backends use (see
-  :func:`lse_unit`). The backward gets the statistics back as ``max = lse``, ``sum = 1``: the kernel forms ``p = exp(s - max) / sum``, which is then
-  ``exp(s - lse)``, the same probabilities (MindSpeed's ring attention likewise hands the
-  grad kernel merged statistics that are not the forward's own).
+* ``softmax_max`` / ``softmax_sum`` come back *shaped* ``[T, Hq, 8]`` fp32 (8 equal copies
+  per row) but, without ``softmax_layout="TND"`` (torch_npu 7.2.0 with CANN 8.3.RC1 only),
+  *stored* "NTD": each sequence's ``[Hq, L_b, 8]`` block, the blocks back to back. They are
+  read and written through :func:`stat_index`, a per-``cu_seqlens`` map built on the device,
+  so every torch_npu version is served the same way. ``lse = max + log(sum)`` is returned in
+  the unit the op's other backends use (see :func:`lse_unit`). The backward gets the
+  statistics back, in the same layout, as ``max = lse``, ``sum = 1``: the kernel forms
+  ``p = exp(s - max) / sum``, which is then ``exp(s - lse)``, the same probabilities
+  (MindSpeed's ring attention likewise hands the grad kernel merged statistics that are not
+  the forward's own).
+* At most :data:`MAX_SEQS_PER_CALL` sequences per call (the API reference: 1K entries of
+  ``actual_seq_qlen`` in the varlen case): longer batches, common with dynamic batches of
+  short rollouts, are cut into contiguous groups of sequences, one forward / grad call each.
 """
 from __future__ import annotations
 
 import functools
 import math
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -45,11 +52,23 @@ MASK_SIZE = 2048
 # Trailing dimension of softmax_max / softmax_sum: the kernel stores each row's value 8 times.
 STAT_COPIES = 8
 SPARSE_CAUSAL, SPARSE_NONE = 3, 0
+# Sequences (entries of actual_seq_qlen) one varlen call accepts.
+MAX_SEQS_PER_CALL = 1024
 
 _masks: Dict[torch.device, torch.Tensor] = {}
-# (weak ref to the cu_seqlens tensor, its version counter, the host list): every layer of a
-# forward and backward sees the same cu_seqlens object, and reading it is a host sync.
-_ends_cache: Optional[Tuple[weakref.ref, int, List[int]]] = None
+
+
+class _Plan(NamedTuple):
+    """What the calls for one ``cu_seqlens`` need: host lists and the statistics map."""
+
+    ends: List[int]  # cu_seqlens[1:] without empty sequences
+    groups: List[Tuple[int, int, List[int]]]  # per call: (first row, end row, ends from the first row)
+    stat_index: Dict[int, torch.Tensor]  # {Hq: stat_index(cu_seqlens, T, Hq)}, filled on first use
+
+
+# (weak ref to the cu_seqlens tensor, its version counter, its plan): every layer of a forward
+# and backward sees the same cu_seqlens object, and reading it is a host sync.
+_plan_cache: Optional[Tuple[weakref.ref, int, _Plan]] = None
 
 
 def causal_mask(device: torch.device) -> torch.Tensor:
@@ -61,18 +80,53 @@ def causal_mask(device: torch.device) -> torch.Tensor:
     return mask
 
 
-def seq_ends(cu_seqlens: torch.Tensor) -> List[int]:
-    """``cu_seqlens[1:]`` as a host list without empty sequences, cached for the same tensor."""
-    global _ends_cache
-    cached = _ends_cache
+def _plan(cu_seqlens: torch.Tensor) -> _Plan:
+    """The cached :class:`_Plan` of ``cu_seqlens`` (rebuilt when it changes in place)."""
+    global _plan_cache
+    cached = _plan_cache
     if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
         return cached[2]
     ends: List[int] = []
     for e in cu_seqlens[1:].tolist():
         if e > (ends[-1] if ends else 0):
             ends.append(int(e))
-    _ends_cache = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
-    return ends
+    groups = []
+    for i in range(0, len(ends), MAX_SEQS_PER_CALL):
+        first = ends[i - 1] if i else 0
+        chunk = ends[i:i + MAX_SEQS_PER_CALL]
+        groups.append((first, chunk[-1], [e - first for e in chunk]))
+    plan = _Plan(ends, groups, {})
+    _plan_cache = (weakref.ref(cu_seqlens), cu_seqlens._version, plan)
+    return plan
+
+
+def seq_ends(cu_seqlens: torch.Tensor) -> List[int]:
+    """``cu_seqlens[1:]`` as a host list without empty sequences, cached for the same tensor."""
+    return _plan(cu_seqlens).ends
+
+
+def stat_index(cu_seqlens: torch.Tensor, total_tokens: int, heads: int) -> torch.Tensor:
+    """int64 ``[heads, T]``: the row of ``softmax_max`` / ``softmax_sum`` (viewed ``[T * heads,
+    8]``) that holds head ``h`` of token ``t``.
+
+    The NTD layout puts sequence ``b`` (rows ``s_b:e_b``, length ``L_b``) at rows
+    ``s_b * heads ...``, head-major: ``s_b * heads + h * L_b + (t - s_b)``. Built on the device
+    from ``cu_seqlens`` (no host sync); groups of calls concatenate to the same layout, as each
+    sequence's block starts at ``s_b * heads`` either way.
+    """
+    cu = cu_seqlens.long()
+    t = torch.arange(total_tokens, device=cu.device)
+    seq = torch.searchsorted(cu[1:].contiguous(), t, right=True)  # empty sequences own no token
+    start = cu[seq]
+    h = torch.arange(heads, device=cu.device)[:, None]
+    return start * heads + h * (cu[seq + 1] - start) + (t - start)
+
+
+def _stat_index(plan: _Plan, cu_seqlens: torch.Tensor, total_tokens: int, heads: int) -> torch.Tensor:
+    index = plan.stat_index.get(heads)
+    if index is None:
+        index = plan.stat_index[heads] = stat_index(cu_seqlens, total_tokens, heads)
+    return index
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +143,7 @@ def lse_unit() -> float:
     return float(lse[0, 0]) / math.log(2)
 
 
-def _call_args(cu_seqlens: torch.Tensor, causal: bool, device: torch.device) -> dict:
-    ends = seq_ends(cu_seqlens)
+def _call_args(ends: List[int], causal: bool, device: torch.device) -> dict:
     return dict(
         atten_mask=causal_mask(device) if causal else None,
         keep_prob=1.0,
@@ -100,16 +153,25 @@ def _call_args(cu_seqlens: torch.Tensor, causal: bool, device: torch.device) -> 
     )
 
 
+def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
     """``(out [T, Hq, D], lse fp32 [Hq, T] in the op's unit)`` via ``npu_fusion_attention``."""
     T, Hq, _ = q.shape
     if T == 0:
         return torch.empty_like(q), q.new_empty((Hq, 0), dtype=torch.float32)
-    out, s_max, s_sum = torch_npu().npu_fusion_attention(
-        q, k, v, Hq, "TND", scale=softmax_scale, **_call_args(cu_seqlens, causal, q.device),
-    )[:3]
-    lse = s_max[..., 0] + torch.log(s_sum[..., 0])
-    return out, (lse.t() * lse_unit()).contiguous()
+    plan = _plan(cu_seqlens)
+    outs, stats = [], []
+    for lo, hi, ends in plan.groups:
+        out, s_max, s_sum = torch_npu().npu_fusion_attention(
+            q[lo:hi], k[lo:hi], v[lo:hi], Hq, "TND", scale=softmax_scale, **_call_args(ends, causal, q.device),
+        )[:3]
+        outs.append(out)
+        stats.append(s_max[..., 0] + torch.log(s_sum[..., 0]))  # [rows, Hq] in storage (NTD) order
+    lse = _cat(stats).reshape(-1)[_stat_index(plan, cu_seqlens, T, Hq)]
+    return _cat(outs), lse * lse_unit()
 
 
 def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
@@ -117,9 +179,18 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal
     T, Hq, _ = q.shape
     if T == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    s_max = (lse.t() / lse_unit()).unsqueeze(-1).expand(T, Hq, STAT_COPIES).contiguous()
-    dq, dk, dv = torch_npu().npu_fusion_attention_grad(
-        q, k, v, dout, Hq, "TND", softmax_max=s_max, softmax_sum=torch.ones_like(s_max), attention_in=out,
-        scale_value=softmax_scale, **_call_args(cu_seqlens, causal, q.device),
-    )[:3]
+    plan = _plan(cu_seqlens)
+    # lse back into the NTD layout the forward's statistics had.
+    flat = lse.new_empty(T * Hq).index_copy_(0, _stat_index(plan, cu_seqlens, T, Hq).reshape(-1),
+                                              (lse / lse_unit()).reshape(-1))
+    s_max = flat.view(T, Hq, 1).expand(T, Hq, STAT_COPIES).contiguous()
+    s_sum = torch.ones_like(s_max)
+    grads = []
+    for lo, hi, ends in plan.groups:
+        grads.append(torch_npu().npu_fusion_attention_grad(
+            q[lo:hi], k[lo:hi], v[lo:hi], dout[lo:hi], Hq, "TND", softmax_max=s_max[lo:hi],
+            softmax_sum=s_sum[lo:hi], attention_in=out[lo:hi], scale_value=softmax_scale,
+            **_call_args(ends, causal, q.device),
+        )[:3])
+    dq, dk, dv = (_cat(list(g)) for g in zip(*grads))
     return dq, dk, dv

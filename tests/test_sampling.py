@@ -102,6 +102,25 @@ def test_groups_made_contiguous_in_group_order():
     assert acc.num_buffered_groups == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_extreme_group_indices_are_ordinary_groups(dtype):
+    """Issue 16 item 7: the largest / smallest index is a group like any other (it once collided
+    with the sentinel that marked dropped rows: "2 rows in 0 groups")."""
+    hi, lo = torch.iinfo(dtype).max, torch.iinfo(dtype).min
+    acc = dk.DynamicBatchAccumulator(2, 2, 0)
+    gi = torch.tensor([hi, 7, lo, hi, 7, lo], dtype=dtype)
+    keep = torch.tensor([True, False, True, True, False, True])
+    acc.add({"v": torch.arange(6)}, gi, keep)
+    assert acc.num_buffered_groups == 2 and acc.metrics()["dynamic_sampling/groups_seen"] == 3
+    assert acc.take()["v"].tolist() == [2, 5, 0, 3]  # group lo, then group hi
+    # A dropped group at the top index next to a kept one below it.
+    acc.add({"v": torch.arange(4)}, torch.tensor([hi, 0, hi, 0], dtype=dtype),
+            torch.tensor([False, True, False, True]))
+    acc.add({"v": torch.arange(4)}, torch.tensor([hi, 0, hi, 0], dtype=dtype),
+            torch.tensor([True, False, True, False]))
+    assert acc.take()["v"].tolist() == [1, 3, 0, 2]
+
+
 def test_exhaustion_error():
     acc = dk.DynamicBatchAccumulator(8, 4, 3)
     gen = Generator(5, 4, p_correct=0.1)

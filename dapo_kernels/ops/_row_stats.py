@@ -35,7 +35,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._validation import check_float, check_tensor
+from .._validation import check_float, check_tensor, value_range
 
 # CPU chunk: the [C, V] fp32 work buffers (one, two with entropy) in 64 MiB keep each matmul
 # at >= 512 rows at V = 32k (full speed: measured no faster at 1024) for an eighth of naive's
@@ -277,6 +277,12 @@ def grad_buffers(hidden, weight):
     return d_h, alloc(weight.shape, dtype=torch.float32, device=weight.device)
 
 
+def live_rows(g_lp: torch.Tensor, g_ent: torch.Tensor) -> torch.Tensor:
+    """Tokens with a gradient at all (``g_lp`` or ``g_ent`` nonzero; NaN counts): the others - masked
+    away, or clipped - add nothing to dH / dW, not even the NaN of non-finite logits."""
+    return (g_lp != 0) | (g_ent != 0)
+
+
 def accumulate_grads(dz, x, w32, d_h, d_w, sl: slice, live: Optional[torch.Tensor] = None):
     """dH rows of the chunk and dW += dz^T x; ``live``: rows that have a gradient at all."""
     beta = 0 if sl.start == 0 else 1
@@ -310,7 +316,7 @@ def check_linear_inputs(hidden, weight, labels, temperature, process_group):
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     vocab = weight.shape[0] * world
     if labels.numel():
-        lo, hi = torch.stack(torch.aminmax(labels)).tolist()
+        lo, hi = value_range(labels)
         if lo < 0 or hi >= vocab:
             raise ValueError(f"labels must lie in [0, V) = [0, {vocab}), got range [{lo}, {hi}]")
     return rank * weight.shape[0], group_key(process_group)

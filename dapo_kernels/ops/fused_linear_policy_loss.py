@@ -9,18 +9,19 @@ with :func:`dapo_kernels.ops.policy_loss.aggregation_weights`, in fp64 on ``[N]`
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .._registry import dispatch, register
-from .._validation import check_float, check_tensor
+from .._validation import check_flag, check_float, check_tensor
 from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
-                         chunk_stats, grad_buffers, row_results, set_exact_entries, token_chunks)
+                         chunk_stats, grad_buffers, live_rows, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
 from .linear_log_probs import grads_triton, stats_triton
-from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metrics_from_counts,
-                          pg_token_terms)
+from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metric_sums,
+                          metrics_from_counts, pg_token_terms)
 
 # Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
 # #tokens, entropy, kl (each weighted like the loss except the counts).
@@ -40,13 +41,15 @@ class LossHead:
     def __call__(self, lp: torch.Tensor, ent: torch.Tensor, sl: slice):
         mask = self.mask[sl]
         w = self.w if self.w.numel() == 1 else self.w[sl]
-        loss, dl, clip, clip_low, nkl = pg_token_terms(lp, self.old[sl], self.adv[sl], *self.clips)
+        # On-policy (no old log-probs given): old = this forward's own, so the ratio is exactly 1.
+        old = self.old[sl] if self.old.numel() else lp
+        loss, dl, clip, clip_low, nkl = pg_token_terms(lp, old, self.adv[sl], *self.clips)
+        # Masked tokens are selected away (torch.where), in the sums and in the gradients: a NaN
+        # there reaches neither (NaN * 0 would); fp64 token math and sums, as in policy_loss.
         wm = torch.where(mask, w, 0.0)
         g_lp = wm * dl
-        m = mask.double()
-        zero = m.new_zeros(())
+        zero = wm.new_zeros(())
         ent_sum, kl_sum, g_ent = zero, zero, torch.zeros_like(lp)
-        # fp64 token math and sums, as in policy_loss.
         if self.ent_coef:
             ent_sum = torch.where(mask, wm * ent.double(), 0.0).sum()
             g_ent = -self.ent_coef * wm
@@ -54,9 +57,10 @@ class LossHead:
             kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type, torch.float64)
             kl_sum = torch.where(mask, wm * kl_val.double(), 0.0).sum()
             g_lp = g_lp + self.kl_coef * wm * kl_grad
+        g_lp = torch.where(mask, g_lp, 0.0)
         pg_sum = torch.where(mask, wm * loss, 0.0).sum()
-        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum, m @ clip,
-                            m @ clip_low, m @ -nkl, m.sum(), ent_sum, kl_sum])
+        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum,
+                            *metric_sums(mask, clip, clip_low, nkl), ent_sum, kl_sum])
         return g_lp.float(), g_ent.float(), sums
 
 
@@ -88,7 +92,7 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
                 torch.exp(z, out=e)
             dz = chunk_dlogits(z, e, stats[:, 0] - lse, ent_c, g_lp, g_ent, inv_temp, entropy)
             set_exact_entries(dz, lab, rows, g_lp, g_ent, inv_temp)
-            accumulate_grads(dz, x, w32, d_h, d_w, sl, (g_lp != 0) | (g_ent != 0))
+            accumulate_grads(dz, x, w32, d_h, d_w, sl, live_rows(g_lp, g_ent))
     return sums, log_prob, ent, d_h, d_w.to(weight.dtype)
 
 
@@ -113,7 +117,7 @@ def _fused_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sums fp64 [8], log_prob [N], entropy [N], dH, dW); dH/dW are empty unless ``compute_grad``.
 
-    ``tokens`` = [old_log_prob, advantages, mask (bool), weights (1 or N), ref_log_prob];
+    ``tokens`` = [old_log_prob (empty: on-policy), advantages, mask (bool), weights (1 or N), ref_log_prob];
     ``params`` = [temperature, clip_low, clip_high, clip_c, entropy_coeff, kl_coef].
     """
     head = LossHead(tokens, params, kl_type)
@@ -161,9 +165,10 @@ _fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
 # --------------------------------------------------------------------------- public API
 def _check_token_inputs(n: int, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type):
     for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
-        check_tensor(name, t, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-                     device=hidden.device, shape=(n,))
-    mask = check_mask("response_mask", response_mask, old_log_prob)
+        if t is not None or name != "old_log_prob":
+            check_tensor(name, t, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                         device=hidden.device, shape=(n,))
+    mask = check_mask("response_mask", response_mask, advantages)
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
     if kl_coef and ref_log_prob is None:
@@ -178,7 +183,7 @@ def fused_linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    old_log_prob: torch.Tensor,
+    old_log_prob: Optional[torch.Tensor],
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
@@ -196,6 +201,7 @@ def fused_linear_policy_loss(
     kl_coef: float = 0.0,
     kl_type: str = "low_var_kl",
     process_group=None,
+    calculate_entropy: bool = False,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """lm_head -> log-prob -> DAPO loss in one op: ``pg_loss - entropy_coeff * agg(entropy) + kl_coef * agg(kl)``.
 
@@ -204,31 +210,45 @@ def fused_linear_policy_loss(
     ``[N]``, ``response_mask`` bool/int ``[N]``; the loss arguments as in
     :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
     kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
+    ``old_log_prob=None`` is the on-policy update (one epoch over one mini-batch): the old
+    log-probs are this forward's own, detached, so the ratio is exactly 1 and no separate
+    log-prob pass is needed. ``calculate_entropy`` computes the entropy (for metrics) even when
+    ``entropy_coeff`` is 0.
 
     Returns ``loss`` (fp32 0-dim; gradients for ``hidden`` and ``weight``, computed during the
     forward when grad is enabled) and detached ``metrics``: ``pg_clipfrac``,
-    ``pg_clipfrac_lower``, ``ppo_kl``, ``pg_loss``, ``log_prob`` ``[N]``, plus ``entropy_loss``
-    and ``entropy`` ``[N]`` when ``entropy_coeff != 0``, ``kl_loss`` when ``kl_coef != 0``.
+    ``pg_clipfrac_lower``, ``ppo_kl``, ``pg_loss``, ``log_prob`` ``[N]``, plus ``entropy``
+    ``[N]`` when ``entropy_coeff != 0`` or ``calculate_entropy``, ``entropy_loss`` when
+    ``entropy_coeff != 0``, ``kl_loss`` when ``kl_coef != 0``.
+
+    NaN / inf as :func:`dapo_kernels.policy_loss` and :func:`linear_log_probs`: NaN in a selected
+    token's inputs (or in ``weight``) gives a NaN loss; a masked token is selected away, so a NaN
+    there reaches only its own ``log_prob`` / ``entropy`` metric, not the loss nor the gradients.
     """
     vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
     n = hidden.shape[0]
+    # Before the token inputs: kl_coef decides whether ref_log_prob is needed.
+    entropy_coeff, kl_coef = (check_float(name, v, valid=math.isfinite, expected="finite")
+                              for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)))
     mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
     clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    check_agg(loss_agg_mode, old_log_prob, cu_seqlens)
-    entropy_coeff, kl_coef = check_float("entropy_coeff", entropy_coeff), check_float("kl_coef", kl_coef)
+    check_agg(loss_agg_mode, advantages, cu_seqlens)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
                             loss_scale_factor=loss_scale_factor)
-    ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else old_log_prob.new_zeros(0)
-    tokens = [old_log_prob.contiguous(), advantages.contiguous(), mask.contiguous(), w, ref.contiguous()]
+    ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else advantages.new_zeros(0)
+    old = advantages.new_zeros(0) if old_log_prob is None else old_log_prob
+    tokens = [old.contiguous(), advantages.contiguous(), mask.contiguous(), w, ref.contiguous()]
     params = [float(temperature), *clips, float(entropy_coeff), float(kl_coef)]
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    entropy = bool(entropy_coeff)
+    entropy = bool(entropy_coeff) or check_flag("calculate_entropy", calculate_entropy)
     sums, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, tokens, params, kl_type, vocab_start, key,
                                           entropy, compute_grad)
     metrics = metrics_from_counts(sums[2], sums[3], sums[4], sums[5])
     metrics.update(pg_loss=sums[1].detach().float(), log_prob=log_prob.detach())
     if entropy:
-        metrics.update(entropy_loss=sums[6].detach().float(), entropy=ent.detach())
+        metrics["entropy"] = ent.detach()
+    if entropy_coeff:
+        metrics["entropy_loss"] = sums[6].detach().float()
     if kl_coef:
         metrics["kl_loss"] = sums[7].detach().float()
     return sums[0].float(), metrics

@@ -214,7 +214,8 @@ def _overlong_penalty_fwd_kernel(p_len, p_out, N, expected_len, buf, factor, BLO
     o_n = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_n = o_n < N
     b_l = tl.load(p_len + o_n, mask=m_n, other=0).to(tl.float64)
-    b_p = tl.minimum(-(b_l - expected_len) / buf * factor, 0.0)
+    b_p = -(b_l - expected_len) / buf * factor
+    b_p = tl.where(b_p > 0, 0.0, b_p)  # min(p, 0) that keeps a NaN, as torch's clamp_max
     tl.store(p_out + o_n, b_p.to(tl.float32), mask=m_n)
 
 
@@ -242,6 +243,7 @@ def _finish(outs, flags):
 
 @register("group_filter", "triton")
 def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, norm_adv_by_std, min_std):
+    scores, group_index = scores.contiguous(), group_index.contiguous()  # addressed as dense [N]
     N, G, dev = scores.numel(), num_groups, scores.device
     outs = _alloc_outputs(N, G, dev)
     keep, adv, gmean, gstd, gkeep, gsize = outs
@@ -483,7 +485,8 @@ def group_filter(
     Non-finite scores and out-of-range indices: no host sync is spent checking them.
     Their groups are dropped and their advantages are 0; ``res.num_invalid`` and
     ``res.num_out_of_range`` count them on the device, and ``res.check()`` raises
-    ValueError (one sync). Not differentiable: rewards are constants.
+    ValueError (one sync); no NaN reaches any output, on either backend. Not differentiable:
+    rewards are constants.
     """
     check_tensor("scores", scores, ndim=1, dtypes=FLOAT_DTYPES)
     N = scores.shape[0]
@@ -526,7 +529,8 @@ def overlong_penalty(
         response_lengths: ``[*]`` integer (or float) valid response lengths ``L``.
         max_response_length, overlong_buffer_len: ints, ``0 < buffer <= max``.
         penalty_factor: float >= 0.
-    Returns float32 of the shape of ``response_lengths`` (computed in float64).
+    Returns float32 of the shape of ``response_lengths`` (computed in float64); a NaN length gives
+    NaN, as torch's ``clamp_max`` does, on both backends.
     """
     check_tensor("response_lengths", response_lengths, dtypes=INT_DTYPES + FLOAT_DTYPES)
     max_len = check_int("max_response_length", max_response_length, minimum=1)

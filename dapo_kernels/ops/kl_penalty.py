@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_tensor
+from .._validation import FLOAT_DTYPES, check_tensor
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+")
 
@@ -35,9 +35,11 @@ def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str, d
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str = "low_var_kl") -> torch.Tensor:
     """verl's ``kl_penalty`` estimators (``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``,
     and ``+`` straight-through variants), elementwise on same-shape float tensors; fp32 result,
-    differentiable w.r.t. ``log_prob``."""
-    check_tensor("log_prob", log_prob, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
-    check_tensor("ref_log_prob", ref_log_prob, device=log_prob.device, shape=tuple(log_prob.shape))
+    differentiable w.r.t. ``log_prob``. NaN in, NaN out, elementwise; the gradient at a NaN is
+    that of torch's autograd of verl's estimator (e.g. 0 where ``low_var_kl`` clamps it)."""
+    check_tensor("log_prob", log_prob, dtypes=FLOAT_DTYPES)
+    check_tensor("ref_log_prob", ref_log_prob, dtypes=FLOAT_DTYPES, device=log_prob.device,
+                 shape=tuple(log_prob.shape))
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
     val, grad = kl_terms(log_prob.detach(), ref_log_prob, kl_type)

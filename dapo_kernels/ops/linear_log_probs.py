@@ -21,8 +21,8 @@ import triton.language as tl
 from .._alloc import empty_output
 from .._registry import dispatch, register
 from ._row_stats import (ARG, ENT, LOGP, LSE, NUM_ROWS, NUM_STATS, accumulate_grads, all_reduce, chunk_dlogits,
-                         chunk_stats, check_linear_inputs, exact_dlogits, grad_buffers, logits, row_results,
-                         set_exact_entries, token_chunks)
+                         chunk_stats, check_linear_inputs, exact_dlogits, grad_buffers, live_rows, logits,
+                         row_results, set_exact_entries, token_chunks)
 from ._triton_utils import INTERPRET, cdiv
 
 # GPU backward: the dz buffer of one vocab chunk; 1 GiB keeps the two cuBLAS matmuls large
@@ -120,7 +120,8 @@ def _linear_log_probs_bwd_kernel(
     error in dH / dW, and one that differs between vocab-sharded and unsharded runs). ``g_lp`` /
     ``g_ent`` come with the temperature folded in (fp64, rounded once). The target entry is
     ``dzt`` and the argmax entry (``arg``, local index) ``dza`` (fp32 ``[N]`` each, from their
-    fp64 logits), not recomputed from fp32 logits.
+    fp64 logits), not recomputed from fp32 logits. Rows whose ``g_lp`` and ``g_ent`` are both 0
+    get ``dz = 0``.
     """
     i_m = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -145,6 +146,8 @@ def _linear_log_probs_bwd_kernel(
     b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * b_q)
     b_dz = tl.where(o_v[None, :] == b_arg[:, None], b_dza[:, None], b_dz)
     b_dz = tl.where(o_v[None, :] == b_lab[:, None], b_dzt[:, None], b_dz)
+    # A token without incoming gradient (masked away) has dz = 0 even where its logits are NaN.
+    b_dz = tl.where(((b_glp != 0) | (b_gent != 0))[:, None], b_dz, 0.0)
     tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
              mask=m_m[:, None] & m_v[None, :])
 
@@ -177,7 +180,7 @@ def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
         torch.exp(logits(x, w32, inv_temp, z).sub_(lse32[sl, None]), out=e)  # z = log p - shift, e = p / exp(shift)
         dz = chunk_dlogits(z, e, shift[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp, entropy)
         set_exact_entries(dz, labels[sl] - vocab_start, rows[:, sl], g_lp[sl], g_ent[sl], inv_temp)
-        accumulate_grads(dz, x, w32, d_h, d_w, sl)
+        accumulate_grads(dz, x, w32, d_h, d_w, sl, live_rows(g_lp[sl], g_ent[sl]))
     return d_h, d_w.to(weight.dtype)
 
 
@@ -197,7 +200,8 @@ def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
 
 @register("linear_log_probs_stats", "triton")
 def stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    # The kernels address all three as dense ([N, H], [V, H], [N]).
+    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     n_tiles = cdiv(v, _BLOCK_V)
     splits = _num_splits(cdiv(n, _BLOCK_M), n_tiles, hidden.device)
@@ -224,7 +228,7 @@ def _hi_lo(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent):
     """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``rows`` fp64
     ``[5, N]`` from :func:`row_results` (lse and lse - entropy go to the kernel as fp32 hi / lo pairs)."""
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
     cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
@@ -232,6 +236,10 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
     args = [rows[ARG].long(), *_hi_lo(rows[LSE]), *_hi_lo(rows[LSE] - rows[ENT]),
             *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent)),
             *(d.float().contiguous() for d in exact_dlogits(rows, g_lp, g_ent, inv_temp))]
+    # Tokens without incoming gradient (dz = 0) stay out of both products, as the torch path leaves
+    # them out: a NaN in their hidden row (or in the weight) must not reach dW (dH) through NaN * 0.
+    dead = ~live_rows(g_lp, g_ent)[:, None]
+    hidden_live = hidden.masked_fill(dead, 0)
     for v0 in range(0, v, cols):
         nc = min(cols, v - v0)
         dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
@@ -241,10 +249,10 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
                 BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype], num_warps=_NUM_WARPS,
                 **_dot_flags(hidden.dtype),
             )
-        torch.mm(dz.t(), hidden, out=d_w[v0:v0 + nc])
+        torch.mm(dz.t(), hidden_live, out=d_w[v0:v0 + nc])
         # dH sums over vocab chunks: accumulate each chunk's product in fp32.
         d_h += torch.mm(dz, weight[v0:v0 + nc])
-    return d_h, d_w
+    return d_h.masked_fill_(dead, 0), d_w
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -327,6 +335,11 @@ def linear_log_probs(
     Returns:
         ``log_prob`` fp32 ``[N]`` and ``entropy`` fp32 ``[N]`` (or None), from fp32-accumulated
         logits. Differentiable w.r.t. ``hidden`` and ``weight`` through both outputs.
+
+    NaN / inf follow the logits as in torch's ``log_softmax`` (a NaN in a ``hidden`` row makes that
+    token's outputs NaN, one in ``weight`` every token's), except that a token whose incoming
+    gradients are both zero adds nothing to ``dH`` / ``dW``, so a token masked away downstream
+    cannot poison them.
     """
     vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
     log_prob, ent, _ = _linear_log_probs_op(hidden, weight, labels, float(temperature), bool(return_entropy),

@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from .._alloc import cpu_bulk_output, empty_output
+from .._cache import per_tensor_cache
 from .._registry import dispatch, register
-from .._validation import INT_DTYPES, check_int, check_tensor
+from .._validation import INT_DTYPES, check_int, check_tensor, cu_seqlens_boundaries
 from ._triton_utils import cdiv, next_pow2
 
 # Rows per program: enough to hide the row-map load latency, small enough that a
@@ -70,6 +71,8 @@ def _as_storable(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_pack_rows(src: torch.Tensor, row_map: torch.Tensor, n_dst_rows: int, pad: bool) -> torch.Tensor:
+    # The kernel addresses both as dense: row r of src at r * n_feat, entry r of row_map at r.
+    src, row_map = src.contiguous(), row_map.contiguous()
     n_feat = src.shape[1]
     dst = empty_output((n_dst_rows, n_feat), dtype=src.dtype, device=src.device)
     if n_dst_rows == 0 or n_feat == 0:
@@ -92,7 +95,7 @@ def _inverse_row_map(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 @register("index_rows", "triton")
 def _index_rows_triton(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    return _launch_pack_rows(x.contiguous(), indices, indices.numel(), pad=False)
+    return _launch_pack_rows(x, indices, indices.numel(), pad=False)
 
 
 @register("index_rows", "torch")
@@ -105,7 +108,7 @@ def _index_rows_torch(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 @register("scatter_rows", "triton")
 def _scatter_rows_triton(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return _launch_pack_rows(x.contiguous(), _inverse_row_map(indices, num_rows), num_rows, pad=True)
+    return _launch_pack_rows(x, _inverse_row_map(indices, num_rows), num_rows, pad=True)
 
 
 def _first_position_reaching(count: torch.Tensor, n: int) -> torch.Tensor:
@@ -219,6 +222,7 @@ def unpad_input(
         ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` Python int,
         ``seqused`` int32 ``[B]`` (tokens per row that ``attention_mask`` selects).
 
+    NaN / inf are copied like any value: only those at positions the masks select reach ``x_unpad``.
     Host synchronisation: exactly one, reading ``(nnz, max_seqlen)`` together; ``nnz``
     sizes the output and ``max_seqlen`` is returned as a Python int. ``cu_seqlens`` and
     ``indices`` are built on the device by cumsum + searchsorted (no ``nonzero()``).
@@ -238,15 +242,36 @@ def unpad_input(
     flat = all_mask.reshape(-1)
     count = torch.cumsum(flat, dim=0)  # tokens up to and including each position
     max_len = seqlens.max() if B > 0 else seqlens.new_zeros(())
-    nnz, max_seqlen = torch.stack([count[-1] if flat.numel() else count.new_zeros(()),
-                                   max_len.to(count.dtype)]).tolist()
+    # First and last selected positions ride along in the same transfer: the exact range of
+    # ``indices``, so that pad_input can check them later without reading them.
+    if flat.numel():
+        first, last = flat.int().argmax(), flat.numel() - 1 - flat.flip(0).int().argmax()
+        head = [count[-1], first.to(count.dtype), last.to(count.dtype)]
+    else:
+        head = [count.new_zeros(())] * 3
+    nnz, lo, hi, max_seqlen = torch.stack(head + [max_len.to(count.dtype)]).tolist()
     # The i-th token sits at the first position whose running count reaches i+1.
     indices = _first_position_reaching(count, nnz)
     feat_shape = hidden_states.shape[2:]
     # Explicit widths: reshape(-1) is ambiguous for empty tensors and new_empty would cut the graph.
     x2d = hidden_states.reshape(B * S, feat_shape.numel())
     x_unpad = index_rows(x2d, indices).reshape((nnz,) + tuple(feat_shape))
+    # Valid by construction: checking them again (pad_input, a packed model's layers) reads nothing.
+    if nnz:
+        _index_stats.prime(indices, B * S, value=(lo, hi, nnz))
+    cu_seqlens_boundaries.prime(cu_seqlens, value=(0, nnz, 0))
     return x_unpad, indices, cu_seqlens, int(max_seqlen), seqused
+
+
+@per_tensor_cache  # indices from unpad_input are primed there: checking them reads nothing
+def _index_stats(indices: torch.Tensor, num_rows: int) -> tuple:
+    """(min, max, distinct positions) of non-empty ``indices``, in one read. Distinct positions =
+    positions marked (clamped: an out-of-range index is reported by the range). Duplicates have no
+    defined result: flash-attn's ``output[indices] = values`` leaves the winner to the scatter, and
+    its gather backward would give every duplicate the gradient."""
+    marked = torch.zeros(num_rows, dtype=torch.bool, device=indices.device)
+    marked[indices.clamp(0, num_rows - 1)] = True
+    return tuple(torch.stack([*torch.aminmax(indices), marked.sum()]).tolist())
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -258,8 +283,11 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
             as returned by :func:`unpad_input`.
         batch, seqlen: the padded shape.
 
-    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``.
-    Host synchronisation: one, for the range check of ``indices``.
+    Returns ``[batch, seqlen, *]`` with zeros at positions not in ``indices``; NaN / inf are copied
+    like any value.
+    Host synchronisation: one, for the range and distinctness check of ``indices`` (a repeated
+    position is a ``ValueError``), unless they are those :func:`unpad_input` returned for this
+    ``batch * seqlen`` (valid by construction: none).
     Differentiable w.r.t. ``hidden_states``; the backward is a gather (:func:`unpad_input`'s op).
     """
     check_tensor("hidden_states", hidden_states)
@@ -275,9 +303,11 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     if nnz > num_rows:
         raise ValueError(f"hidden_states has {nnz} tokens, more than batch*seqlen = {num_rows}")
     if nnz:
-        lo, hi = torch.stack(torch.aminmax(indices)).tolist()
+        lo, hi, distinct = _index_stats(indices, num_rows)
         if lo < 0 or hi >= num_rows:
             raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
+        if distinct != nnz:
+            raise ValueError(f"indices must be distinct positions, got {nnz - distinct} repeated among {nnz}")
     feat_shape = hidden_states.shape[1:]
     x2d = hidden_states.reshape(nnz, feat_shape.numel())
     out = scatter_rows(x2d, indices.long(), num_rows)

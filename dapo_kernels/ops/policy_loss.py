@@ -11,6 +11,7 @@ the weights and the sums are fp64 in both backends; the gradient is written in
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -19,7 +20,8 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_float, check_tensor
+from .._validation import (FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_float, check_float_or_tensor,
+                           check_tensor)
 from ._triton_utils import cdiv
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -33,21 +35,40 @@ _NUM_SUMS = 5
 
 
 # --------------------------------------------------------------------------- kernels
+# torch's min / max / clamp propagate NaN; Triton's return the other operand (and their
+# NaN-propagating flavour has no fp64 instruction to lower to on NVIDIA GPUs), hence these.
+@triton.jit
+def _max_nan(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.minimum(a, b)))
+
+
+@triton.jit
+def _clamp_nan(x, lo, hi):
+    return tl.where(x != x, x, tl.minimum(tl.maximum(x, lo), hi))
+
+
 @triton.jit
 def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
     """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64)."""
     b_d = b_lp - b_old
-    b_nkl = tl.minimum(tl.maximum(b_d, -20.0), 20.0)
+    b_nkl = _clamp_nan(b_d, -20.0, 20.0)
     b_ratio = tl.exp(b_nkl)
     b_pg1 = -b_adv * b_ratio
-    b_pg2 = -b_adv * tl.minimum(tl.maximum(b_ratio, 1.0 - clip_low), 1.0 + clip_high)
-    b_c1 = tl.maximum(b_pg1, b_pg2)
+    b_pg2 = -b_adv * _clamp_nan(b_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    b_c1 = _max_nan(b_pg1, b_pg2)
     b_pg3 = -b_adv * clip_c
     b_neg = b_adv < 0
-    b_loss = tl.where(b_neg, tl.minimum(b_pg3, b_c1), b_c1)
+    b_loss = tl.where(b_neg, _min_nan(b_pg3, b_c1), b_c1)
     # Gradient flows through pg1 where it wins the max (pg2 wins only where the clamp
-    # saturates, so its gradient is zero) and not where the dual clip pg3 wins.
-    b_pass = (b_d >= -20.0) & (b_d <= 20.0) & (b_pg1 >= b_pg2) & ((~b_neg) | (b_c1 < b_pg3))
+    # saturates, so its gradient is zero) and not where the dual clip pg3 wins; a non-finite
+    # advantage passes its NaN / inf on, as torch's autograd of verl's loss does.
+    b_pass = (b_d >= -20.0) & (b_d <= 20.0) & (
+        (tl.abs(b_adv) == float("inf")) | (b_adv != b_adv) | ((b_pg1 >= b_pg2) & ((~b_neg) | (b_c1 < b_pg3))))
     b_dl = tl.where(b_pass, b_pg1, 0.0)
     b_clip = (b_pg2 > b_pg1).to(tl.float64)
     b_clip_low = ((b_c1 > b_pg3) & b_neg).to(tl.float64)
@@ -84,7 +105,7 @@ def _policy_loss_fwd_kernel(
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
     tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
     tl.store(p_out + 2, tl.sum(b_m * b_clip_low, axis=0))
-    tl.store(p_out + 3, tl.sum(b_m * -b_nkl, axis=0))
+    tl.store(p_out + 3, tl.sum(tl.where(b_m > 0, -b_nkl, 0.0), axis=0))  # selected away, as NaN * 0 is not
     tl.store(p_out + 4, tl.sum(b_m, axis=0))
 
 
@@ -104,8 +125,14 @@ def _policy_loss_bwd_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+def _dense(*ts: torch.Tensor):
+    """The kernels address token ``i`` of every input at offset ``i``."""
+    return [t.contiguous() for t in ts]
+
+
 @register("policy_loss_sums", "triton")
 def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float64, device=lp.device)
     if n == 0:
@@ -119,6 +146,7 @@ def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
 
 @register("policy_loss_grad", "triton")
 def _grad_triton(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
     if n:
@@ -145,17 +173,23 @@ def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: floa
     pg3 = -adv * clip_c
     neg = adv < 0
     loss = torch.where(neg, torch.minimum(pg3, c1), c1)
-    passes = (d.abs() <= _LOG_RATIO_CLAMP) & (pg1 >= pg2) & (~neg | (c1 < pg3))
+    passes = (d.abs() <= _LOG_RATIO_CLAMP) & (~torch.isfinite(adv) | ((pg1 >= pg2) & (~neg | (c1 < pg3))))
     dl = torch.where(passes, pg1, 0.0)
     return loss, dl, (pg2 > pg1).double(), ((c1 > pg3) & neg).double(), nkl
+
+
+def metric_sums(mask, clip, clip_low, nkl):
+    """fp64 (#clipped, #dual-clipped, sum(-log-ratio), #tokens) over the tokens ``mask`` selects; the
+    others are selected away (a NaN log-ratio there must not reach ``ppo_kl`` through NaN * 0)."""
+    m = mask.double()
+    return [m @ clip, m @ clip_low, torch.where(mask, -nkl, 0.0).sum(), m.sum()]
 
 
 @register("policy_loss_sums", "torch")
 def _sums_torch(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
-    m = mask.double()
     wl = torch.where(mask, w.double() * loss, 0.0)
-    return torch.stack([wl.sum(), m @ clip, m @ clip_low_ind, m @ -nkl, m.sum()])
+    return torch.stack([wl.sum(), *metric_sums(mask, clip, clip_low_ind, nkl)])
 
 
 @register("policy_loss_grad", "torch")
@@ -210,16 +244,14 @@ policy_loss_sums.register_autograd(_sums_backward, setup_context=_sums_setup)
 
 
 # --------------------------------------------------------------------------- aggregation weights
-def _as_count(name: str, value, device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        return value.reshape(()).to(device=device, dtype=torch.float64)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be an int, a float or a 1-element tensor, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+def _as_count(name: str, value, device, *, positive: bool = False) -> torch.Tensor:
+    """A count / divisor (Python number or 1-element tensor) as fp64 0-dim; NaN, inf and negatives
+    (and 0 if ``positive``) rejected, a tensor on the device without a host sync."""
+    if positive:
+        return check_float_or_tensor(name, value, valid=lambda v: (v > 0) & (v < math.inf),
+                                     expected="finite and > 0", device=device)
+    return check_float_or_tensor(name, value, valid=lambda v: (v >= 0) & (v < math.inf),
+                                 expected="finite and >= 0", device=device)
 
 
 def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
@@ -242,19 +274,27 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_s
     Counts that are zero are clamped to 1: an all-masked batch then sums to exactly 0.
     """
     dev = mask.device
+    # Every count passed is checked, also where the mode does not use it.
+    if num_tokens is not None:
+        num_tokens = _as_count("num_tokens", num_tokens, dev)
+    if num_seqs is not None:
+        num_seqs = _as_count("num_seqs", num_seqs, dev)
+    if loss_scale_factor is not None:
+        loss_scale_factor = _as_count("loss_scale_factor", loss_scale_factor, dev, positive=True)
     if mode == "token-mean":
-        n = mask.sum(dtype=torch.float64) if num_tokens is None else _as_count("num_tokens", num_tokens, dev)
+        n = mask.sum(dtype=torch.float64) if num_tokens is None else num_tokens
         return (1.0 / n.clamp(min=1.0)).reshape(1)
     if mode == "token-sum":
         return torch.ones(1, dtype=torch.float64, device=dev)
     lens, seq_id, horizon = _seq_lengths(mask, cu_seqlens)
     present = (lens > 0).double()
-    nseq = present.sum() if num_seqs is None else _as_count("num_seqs", num_seqs, dev)
+    nseq = present.sum() if num_seqs is None else num_seqs
     w_seq = present / nseq.clamp(min=1.0)
     if mode == "seq-mean-token-mean":
         w_seq = w_seq / lens.clamp(min=1.0)
     elif mode == "seq-mean-token-sum-norm":
-        scale = horizon if loss_scale_factor is None else _as_count("loss_scale_factor", loss_scale_factor, dev)
+        # The default horizon is 0 only when every sequence is empty, where w_seq is already 0.
+        scale = horizon if loss_scale_factor is None else loss_scale_factor
         w_seq = w_seq / scale.clamp(min=1e-30)
     if seq_id is None:
         return w_seq[:, None].expand(mask.shape).reshape(-1).contiguous()
@@ -321,15 +361,21 @@ def policy_loss(
         num_tokens / num_seqs: global token / sequence counts (int, float or 1-element tensor)
             over all micro-batches and data-parallel ranks, so that summing this loss over them
             gives the global mean (multiply by the DP world size if DP averages gradients, as
-            verl's ``dp_size`` does). Default: local counts.
+            verl's ``dp_size`` does). Default: local counts. Finite and >= 0; a tensor count is
+            checked on the device (``RuntimeError`` from ``torch._assert_async``, no host sync).
         cu_seqlens: int32/int64 ``[B+1]`` for packed 1-D inputs in the seq modes.
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (default ``T``; packed: the
-            longest sequence).
+            longest sequence); finite and > 0, checked like the counts.
 
     Returns:
         ``loss``: fp32 0-dim, differentiable w.r.t. ``log_prob`` (and ``old_log_prob``);
         ``metrics``: detached fp32 0-dim ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
         (masked means; no host sync). An all-masked batch gives loss 0 and zero gradient.
+
+    NaN / inf, on both backends: in a token the mask selects, as verl's loss under torch's autograd
+    (NaN in, NaN loss; the gradient is 0 at a NaN log-ratio, which verl clamps, and NaN / inf for a
+    non-finite advantage); in a masked token, nothing: it is selected away (``torch.where``), from
+    the loss, the metrics and the gradient.
     """
     check_tensor("log_prob", log_prob, ndim=(1, 2), dtypes=FLOAT_DTYPES)
     for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):

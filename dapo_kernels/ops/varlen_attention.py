@@ -23,7 +23,8 @@ import triton.language as tl
 from triton.runtime import driver
 
 from .._alloc import empty_output
-from .._registry import current_backend, dispatch, register, use_backend
+from .._cache import per_tensor_cache
+from .._registry import backend_kernel_serves, current_backend, dispatch, register, use_backend
 from .._validation import check_cu_seqlens, check_flag, check_float, check_int, check_tensor
 from . import _varlen_attention_cpu  # noqa: F401  (registers the torch path)
 from ._triton_utils import INTERPRET, cdiv
@@ -148,6 +149,14 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _finite_or_zero(x):
+    """``x`` with non-finite entries read as 0. For the diagonal blocks' tiles, where a query row
+    does not attend every key the tile holds: a masked key's inf / NaN would still reach the row
+    through a zero probability (0 * inf = NaN). What does attend it is marked NaN by the op."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0).to(x.dtype)
+
+
+@triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale,
                MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
@@ -162,6 +171,8 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
         m_kv = (o_n < L)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
+        if MASK_CAUSAL:
+            b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale
         if MASK_CAUSAL:
             b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
@@ -271,6 +282,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
         m_q = m_row[:, None] & m_d[None, :]
         b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
         b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
+        if MASK_CAUSAL:
+            b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
         b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
         b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * qk_scale - b_lse[None, :])
@@ -279,6 +292,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
         b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
+        if MASK_CAUSAL:  # a query's NaN lse / delta must not reach the keys it does not attend
+            b_dst = tl.where(o_m[None, :] >= o_n[:, None], b_dst, 0.0)
         b_dk += tl.dot(_cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T), b_q, input_precision=PREC)
     return b_dk, b_dv
 
@@ -346,6 +361,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi,
         m_kv = (o_n < L)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
+        if MASK_CAUSAL:
+            b_k, b_v = _finite_or_zero(b_k), _finite_or_zero(b_v)
         b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale - b_lse[:, None])
         if MASK_CAUSAL:
             b_p = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_p, 0.0)
@@ -409,6 +426,7 @@ def _varlen_attention_bwd_dq_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+@per_tensor_cache  # once per batch, not per layer
 def _work_list(cu_seqlens: torch.Tensor, total_tokens: int, block: int, causal: bool, per_key: bool):
     """int32 ``[n, 2]`` (sequence, block) pairs, most expensive first (LPT), built on the
     device without a host sync.
@@ -443,13 +461,14 @@ def _block_d(head_dim: int) -> int:
 
 @register("varlen_attention_fwd", "triton")
 def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+    q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
     block = _outer_block("fwd", q.dtype, D)
-    work = _work_list(cu_seqlens, T, block, causal, per_key=False)
+    work = _work_list(cu_seqlens, T, block, causal, False)
     _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
         q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], softmax_scale * _LOG2E,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **_dtype_meta(q.dtype),
@@ -468,6 +487,7 @@ def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 @register("varlen_attention_bwd", "triton")
 def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+    dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     dq = empty_output(q.shape, dtype=q.dtype, device=q.device)
@@ -479,16 +499,38 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **_dtype_meta(q.dtype))
     scales = (softmax_scale * _LOG2E, softmax_scale)
     block = _outer_block("dkdv", q.dtype, D)
-    work_kv = _work_list(cu_seqlens, T, block, causal, per_key=True)
+    work_kv = _work_list(cu_seqlens, T, block, causal, True)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block, **meta,
     )
     block = _outer_block("dq", q.dtype, D)
-    work_q = _work_list(cu_seqlens, T, block, causal, per_key=False)
+    work_q = _work_list(cu_seqlens, T, block, causal, False)
     _varlen_attention_bwd_dq_kernel[(work_q.shape[0] * Hq,)](
         q, k, v, dout, lse, delta, dq, cu_seqlens, work_q, T, Hq, Hq // Hkv, *scales, BLOCK_M=block, **meta,
     )
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- non-finite inputs
+def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, H]``: the (token, head) rows of ``x [T, H, D]`` that hold a NaN or an inf."""
+    return ~torch.isfinite(x).all(-1)
+
+
+def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, keys: bool) -> torch.Tensor:
+    """bool ``[T, H]``: the queries that attend a key flagged in ``flag [T, H]`` or, with ``keys``, the
+    keys that a flagged query attends; within each sequence, causal: key ``j <= `` query ``i``.
+    Prefix counts on the device, no host sync."""
+    T = flag.shape[0]
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    t = torch.arange(T, device=flag.device)
+    start = torch.repeat_interleave(cu[:-1], lens, output_size=T)
+    end = torch.repeat_interleave(cu[1:], lens, output_size=T)
+    lo = t if causal and keys else start
+    hi = t + 1 if causal and not keys else end
+    count = torch.nn.functional.pad(torch.cumsum(flag, 0, dtype=torch.int32), (0, 0, 1, 0))  # flagged rows < t
+    return count[hi] > count[lo]
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -499,11 +541,19 @@ def _varlen_attention_fwd(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
 
-    ``lse`` is in the unit of the backend that ran, the one its backward recomputes
+    ``lse`` is in the unit of the kernel that ran, the one its backward recomputes
     probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
-    Triton, natural log for the torch path (torch's CPU kernels). The public function
-    converts to natural log; autograd runs the backward on the forward's backend."""
-    return dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
+    Triton, natural log for the torch path (torch's CPU kernels) and for out-of-tree kernels
+    (e.g. npu_ops, which run whatever backend is forced). The public function converts to
+    natural log; autograd runs the backward on the forward's backend.
+
+    NaN in, NaN out, whatever the backend's block sizes: the rows of ``out`` and ``lse`` of a
+    query whose ``q``, or the ``k`` / ``v`` of a key it attends, hold a NaN or inf are NaN, and
+    no other (the backends read such values as 0 where a query does not attend them)."""
+    out, lse = dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
+    attends_bad = _attending(_nonfinite_rows(k) | _nonfinite_rows(v), cu_seqlens, causal, keys=False)
+    poisoned = _nonfinite_rows(q) | attends_bad.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return out.masked_fill_(poisoned[..., None], float("nan")), lse.masked_fill_(poisoned.t(), float("nan"))
 
 
 @_varlen_attention_fwd.register_fake
@@ -516,10 +566,19 @@ def _varlen_attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, softmax_scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head."""
-    return dispatch("varlen_attention_bwd", q.device)(
+    """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head.
+
+    A query whose ``lse`` is NaN (the forward's mark of a non-finite input it depends on) or whose
+    ``dout`` holds a NaN or inf gets NaN ``dq``, and the keys it attends NaN ``dk`` / ``dv``; nothing
+    else does (the backends read non-finite values as 0 where they are not attended)."""
+    dq, dk, dv = dispatch("varlen_attention_bwd", q.device)(
         dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale
     )
+    T, Hq, _ = q.shape
+    bad = lse.isnan().t() | _nonfinite_rows(dout)
+    keys = _attending(bad.reshape(T, k.shape[1], Hq // k.shape[1]).any(-1), cu_seqlens, causal, keys=True)
+    return (dq.masked_fill_(bad[..., None], float("nan")), dk.masked_fill_(keys[..., None], float("nan")),
+            dv.masked_fill_(keys[..., None], float("nan")))
 
 
 @_varlen_attention_bwd.register_fake
@@ -603,6 +662,11 @@ def varlen_attention(
         :mod:`dapo_kernels._validation`). Validating ``cu_seqlens`` costs one host sync.
 
     Differentiable for ``q``, ``k``, ``v``; the backward is deterministic.
+
+    NaN / inf: a query's ``out`` / ``lse`` / ``dq`` rows are NaN when its ``q``, or the ``k`` / ``v``
+    of a key it attends (its sequence; causal: that key and the earlier ones), hold a NaN or inf,
+    and so are the ``dk`` / ``dv`` rows of the keys such a query attends; nothing else changes
+    (other sequences, earlier queries), on both backends, whatever their block sizes.
     """
     _check_qkv(q, k, v)
     check_cu_seqlens(cu_seqlens, q.shape[0], device=q.device)
@@ -616,4 +680,8 @@ def varlen_attention(
     )
     if not return_lse:
         return out
-    return out, (lse * _LN2 if current_backend(q.device) == "triton" else lse)
+    # Base 2 only if the Triton kernel ran: an out-of-tree kernel (NPU) runs even when
+    # triton is forced, and its lse is natural.
+    triton_ran = current_backend(q.device) == "triton" and not backend_kernel_serves(
+        "dapo::varlen_attention_fwd", q.device)
+    return out, (lse * _LN2 if triton_ran else lse)

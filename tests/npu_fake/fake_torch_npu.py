@@ -9,7 +9,15 @@ its documentation says; it says nothing about the real kernels (tests/npu does).
 
 The attention pair deliberately checks our usage, which is narrower than what the op
 accepts: TND layout only, causal only via sparse_mode 3 + the compressed mask, no
-dropout, no pse / padding_mask / prefix.
+dropout, no pse / padding_mask / prefix. It keeps the documented limits and layouts that
+a wrong call would silently violate: at most 1,024 sequences per varlen call, and
+``softmax_max`` / ``softmax_sum`` shaped ``[T, N1, 8]`` but stored "NTD", each sequence's
+``[N1, L, 8]`` block back to back (the default without ``softmax_layout="TND"``); the grad
+reads them in that layout.
+
+``npu.set_compile_mode(jit_compile=...)`` / ``npu.is_jit_compile_false()`` model the
+operator compile mode (binary, ``jit_compile=False``, by default as on Atlas A2/A3), which
+changes ``npu_rotary_mul``'s limits.
 
 ``install(monkeypatch)`` puts it in ``sys.modules['torch_npu']``; ``calls`` records every
 call by op name.
@@ -24,8 +32,11 @@ import torch
 import torch.nn.functional as F
 
 MASK_SIZE = 2048
+# Entries of actual_seq_qlen a varlen (TND) call accepts.
+MAX_VARLEN_SEQS = 1024
 _UNSET = object()
 calls = defaultdict(list)
+_compile_mode = {"jit_compile": False}
 
 
 class FakeNPUArgumentError(ValueError):
@@ -41,6 +52,7 @@ def _check_seq_lens(name, lens, T):
     _require(isinstance(lens, (list, tuple)), f"{name} must be a host list of ints, got {type(lens).__name__}")
     _require(all(type(x) is int for x in lens), f"{name} must hold Python ints, got {[type(x).__name__ for x in lens]}")
     _require(len(lens) > 0 and lens[0] > 0, f"{name} are cumulative ends without the leading 0, got {lens}")
+    _require(len(lens) <= MAX_VARLEN_SEQS, f"{name}: at most {MAX_VARLEN_SEQS} sequences per call, got {len(lens)}")
     _require(all(b > a for a, b in zip(lens, lens[1:])), f"{name} must increase (each sequence non-empty), got {lens}")
     _require(lens[-1] == T, f"{name}[-1] must equal T = {T}, got {lens[-1]}")
 
@@ -77,13 +89,25 @@ def _sequences(actual_seq_qlen):
     return zip([0] + list(actual_seq_qlen[:-1]), actual_seq_qlen)
 
 
-def _scores(q, k, s, e, group, scale, causal):
-    """Scaled scores [N1, L, L] of one sequence in float64, masked positions -inf."""
+def _to_ntd(per_sequence, T, n1):
+    """``[N1, L]`` statistics of each sequence -> fp32 ``[T, N1, 8]`` stored NTD (blocks back to back)."""
+    flat = torch.cat([x.reshape(-1) for x in per_sequence])
+    return flat.float().view(T, n1, 1).expand(T, n1, 8).contiguous()
+
+
+def _from_ntd(stat, s, e, n1):
+    """Sequence ``[s, e)``'s ``[N1, L]`` block of an NTD-stored ``[T, N1, 8]`` statistic."""
+    return stat[..., 0].reshape(-1)[s * n1:e * n1].view(n1, e - s)
+
+
+def _scores(q, k, s, e, group, scale, mask):
+    """Scaled scores [N1, L, L] of one sequence in float64; with the (validated, compressed)
+    causal mask, its top-left [L, L] corner is masked (-inf): equal q / kv lengths."""
     qs = q[s:e].double().transpose(0, 1)
     ks = k[s:e].double().transpose(0, 1).repeat_interleave(group, 0)
     sc = scale * qs @ ks.transpose(1, 2)
-    if causal:
-        sc = sc.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        sc = sc.masked_fill(mask[:e - s, :e - s], float("-inf"))
     return sc
 
 
@@ -98,21 +122,17 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None,
         actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode)
     calls["npu_fusion_attention"].append(dict(sparse_mode=sparse_mode, scale=scale, lens=list(actual_seq_qlen)))
     out = torch.zeros(T, n1, D, dtype=torch.float64)
-    s_max = torch.zeros(T, n1, dtype=torch.float64)
-    s_sum = torch.zeros(T, n1, dtype=torch.float64)
+    s_max, s_sum = [], []
     for s, e in _sequences(actual_seq_qlen):
-        sc = _scores(query, key, s, e, n1 // n2, scale, sparse_mode == 3)
+        sc = _scores(query, key, s, e, n1 // n2, scale, atten_mask)
         m = sc.amax(-1, keepdim=True)
         p = torch.exp(sc - m)
         sm = p.sum(-1, keepdim=True)
         vs = value[s:e].double().transpose(0, 1).repeat_interleave(n1 // n2, 0)
         out[s:e] = ((p / sm) @ vs).transpose(0, 1)
-        s_max[s:e], s_sum[s:e] = m[..., 0].t(), sm[..., 0].t()
-
-    def stat(x):
-        return x.float()[..., None].expand(T, n1, 8).contiguous()
-
-    return out.to(query.dtype), stat(s_max), stat(s_sum), query.new_empty(0), 0, 0, 0
+        s_max.append(m[..., 0])
+        s_sum.append(sm[..., 0])
+    return (out.to(query.dtype), _to_ntd(s_max, T, n1), _to_ntd(s_sum, T, n1), query.new_empty(0), 0, 0, 0)
 
 
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
@@ -139,9 +159,9 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     dk = torch.zeros(T, n2, D, dtype=torch.float64)
     dv = torch.zeros(T, n2, D, dtype=torch.float64)
     for s, e in _sequences(actual_seq_qlen):
-        sc = _scores(query, key, s, e, group, scale_value, sparse_mode == 3)
-        m = softmax_max[s:e, :, 0].double().t()[..., None]
-        sm = softmax_sum[s:e, :, 0].double().t()[..., None]
+        sc = _scores(query, key, s, e, group, scale_value, atten_mask)
+        m = _from_ntd(softmax_max, s, e, n1).double()[..., None]
+        sm = _from_ntd(softmax_sum, s, e, n1).double()[..., None]
         p = torch.exp(sc - m) / sm                                            # [N1, L, L]
         do = dy[s:e].double().transpose(0, 1)
         o = attention_in[s:e].double().transpose(0, 1)
@@ -179,6 +199,8 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
     }
     _require(tuple(r1.shape) in allowed, f"r1/r2 shape {list(r1.shape)} not a documented broadcast of {list(input.shape)}")
     _require(D % 2 == 0 and D < 896, f"head dim must be even and < 896, got {D}")
+    if _compile_mode["jit_compile"]:  # the online-compiled (non-binary) kernel
+        _require(D == 128, f"jit_compile=True: head dim must be 128, got {D}")
     _require(r1.dtype == input.dtype, "r1/r2 must share the input's dtype")
     calls["npu_rotary_mul"].append(dict(shape=tuple(input.shape), r_shape=tuple(r1.shape)))
     x1, x2 = input.chunk(2, dim=-1)
@@ -193,19 +215,30 @@ def npu_swiglu(self, dim=-1):
     return F.silu(a) * b
 
 
+def set_compile_mode(jit_compile=False):
+    _compile_mode["jit_compile"] = bool(jit_compile)
+
+
+def is_jit_compile_false():
+    return not _compile_mode["jit_compile"]
+
+
 def module() -> types.ModuleType:
-    """This file as a module named ``torch_npu``."""
+    """This file as a module named ``torch_npu`` (with the ``torch_npu.npu`` compile-mode functions)."""
     mod = types.ModuleType("torch_npu")
     for name in ("npu_fusion_attention", "npu_fusion_attention_grad", "npu_rms_norm", "npu_rotary_mul",
                  "npu_swiglu"):
         setattr(mod, name, globals()[name])
+    mod.npu = types.SimpleNamespace(set_compile_mode=set_compile_mode, is_jit_compile_false=is_jit_compile_false)
     mod.calls = calls
     return mod
 
 
 def install(monkeypatch) -> types.ModuleType:
-    """Put the fake in ``sys.modules['torch_npu']`` for one test; clears the call log."""
+    """Put the fake in ``sys.modules['torch_npu']`` for one test; clears the call log and
+    restores the default (binary) compile mode."""
     calls.clear()
+    set_compile_mode(jit_compile=False)
     mod = module()
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     return mod

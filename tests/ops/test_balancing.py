@@ -8,6 +8,10 @@ sizes, not from hypothesis growing lists.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -199,6 +203,43 @@ def test_micro_batches_many_items_just_over_a_fraction(lo, hi):
     assert len(mbs) == -(-2000 // per_bin)
 
 
+# The timed call alone (imports excluded), 200,000 sequences, on the shared 2-core machine:
+# 0.5 s of CPU, 1.1-1.5 s wall at load 9-10 (4x margin); the base commit took minutes
+# (n = 1e5: 59 s of CPU, 283 s wall at that load).
+FAST_LIMIT_S = 5
+
+
+def test_micro_batches_200k_uniform_finishes_fast():
+    """Issue 16 item 15: uniform lengths 1..20,000 under a 20,000-token cap slowed down
+    superlinearly (KK's merges shifted O(k) groups each: O(n * k) with k ~ n / 2). The call
+    runs in a fresh interpreter that faulthandler ends after FAST_LIMIT_S, so a slow build
+    fails in seconds instead of hanging the suite."""
+    seed = int(np.random.randint(2**31))
+    script = f"""
+import faulthandler, time
+import numpy as np
+import dapo_kernels as dk
+t = np.random.default_rng({seed}).integers(1, 20_001, 200_000)
+faulthandler.dump_traceback_later({FAST_LIMIT_S}, exit=True)  # ends the process even inside C++
+start = time.perf_counter()
+mbs = dk.micro_batches(t, 20_000)
+elapsed = time.perf_counter() - start
+faulthandler.cancel_dump_traceback_later()
+order = np.concatenate(mbs)
+assert np.array_equal(np.sort(order), np.arange(len(t))), "indices lost or repeated"
+sums = np.add.reduceat(t[order], np.cumsum([0] + [len(m) for m in mbs[:-1]]))
+print(elapsed, len(mbs), int(sums.max()), -(-int(t.sum()) // 20_000))
+"""
+    root = Path(dk.__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"not done within {FAST_LIMIT_S} s (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    elapsed, count, max_tokens, bound = proc.stdout.split()
+    assert float(elapsed) < FAST_LIMIT_S
+    assert int(max_tokens) <= 20_000
+    # ceil(sum / cap) <= count; measured within 0.2 % of it (best-fit decreasing's count)
+    assert int(bound) <= int(count) <= int(bound) * 1.005
+
+
 def test_micro_batches_giant_and_tiny():
     seqlens = [1] * 999 + [MAX_LEN]
     mbs = dk.micro_batches(seqlens, MAX_LEN)
@@ -235,6 +276,42 @@ def test_micro_batches_too_long_names_index_and_length():
 def test_micro_batches_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dk.micro_batches(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(min_num_micro_batches=2**63 - 1, num_micro_batches_multiple_of=2),
+         r"min_num_micro_batches = 9223372036854775807 exceeds the number of sequences \(10\)"),
+        (dict(num_micro_batches_multiple_of=2**63 - 2), r"num_micro_batches_multiple_of = 9223372036854775806 exceeds"),
+        (dict(min_num_micro_batches=11), r"min_num_micro_batches = 11 exceeds the number of sequences \(10\)"),
+        (dict(num_micro_batches_multiple_of=11), r"num_micro_batches_multiple_of = 11 exceeds"),
+        (dict(min_num_micro_batches=2**64), r"min_num_micro_batches = 18446744073709551616 exceeds"),
+        (dict(min_num_micro_batches=9, num_micro_batches_multiple_of=4), r"cannot make 12 non-empty micro-batches"),
+    ],
+    ids=["min-int64-max", "multiple-int64-max", "min-n+1", "multiple-n+1", "min-past-int64", "rounded-past-n"],
+)
+def test_micro_batches_count_bounds(kwargs, match):
+    """Issue 16 item 6: counts near 2^63 overflowed the C++ rounding (5 or 10 batches came
+    back). A count above n is an error naming the argument, never clamped: verl's
+    rearrange_micro_batches asserts num_micro_batches <= batch size, and a clamped count
+    would give this rank fewer micro-batches than its data-parallel peers wait for."""
+    seqlens = [5] * 10
+    with pytest.raises(ValueError, match=match):
+        dk.micro_batches(seqlens, 10, **kwargs)
+    lo, mult = kwargs.get("min_num_micro_batches", 1), kwargs.get("num_micro_batches_multiple_of", 1)
+    if max(lo, mult) < 2**63:  # the extension checks its bounds itself, before any arithmetic
+        with pytest.raises(ValueError, match=match):
+            _C.micro_batches(np.array(seqlens), None, 10, lo, mult)
+
+
+def test_micro_batches_count_bounds_reachable():
+    """n itself is a valid count for both arguments: one sequence per micro-batch."""
+    seqlens = [5] * 10
+    singletons = [[i] for i in range(10)]
+    assert dk.micro_batches(seqlens, 100, min_num_micro_batches=10) == singletons
+    assert dk.micro_batches(seqlens, 100, num_micro_batches_multiple_of=10) == singletons
+    assert len(dk.micro_batches(seqlens, 100, min_num_micro_batches=9, num_micro_batches_multiple_of=5)) == 10
 
 
 def test_length_one_batch():

@@ -120,6 +120,32 @@ def test_bad_input(case, exc, match):
         dk.fused_linear_policy_loss(hidden, weight, labels, **tok, **kw)
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(entropy_coeff=float("nan")), ValueError, "entropy_coeff must be finite"),
+    (dict(entropy_coeff=float("inf")), ValueError, "entropy_coeff must be finite"),
+    (dict(kl_coef=float("nan"), with_ref=True), ValueError, "kl_coef must be finite"),
+    (dict(kl_coef=float("nan")), ValueError, "kl_coef must be finite"),
+    (dict(clip_ratio_high=float("nan")), ValueError, "clip_ratio_high"),
+    (dict(clip_ratio_c=float("nan")), ValueError, "clip_ratio_c"),
+    (dict(num_tokens=float("nan")), ValueError, "num_tokens"),
+    (dict(num_tokens=torch.tensor(-5.0)), RuntimeError, "num_tokens"),
+    (dict(loss_scale_factor=0, loss_agg_mode="seq-mean-token-sum-norm", packed=True), ValueError,
+     "loss_scale_factor"),
+    (dict(loss_scale_factor=torch.tensor(0.0), loss_agg_mode="seq-mean-token-sum-norm", packed=True),
+     RuntimeError, "loss_scale_factor"),
+], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_bad_scalar_names_argument(be, kw, exc, match):
+    """Issue 16 item 5: NaN / inf coefficients and bad counts (a tensor count: device-side assert)."""
+    kw = dict(kw)
+    hidden, weight, labels = make_linear(6, 16, 100, torch.float32)
+    tok = fused_inputs(6, 100, ref=kw.pop("with_ref", False))
+    if kw.pop("packed", False):
+        kw["cu_seqlens"] = cu_seqlens_from([2, 4])
+    with backend(be), pytest.raises(exc, match=match):
+        dk.fused_linear_policy_loss(hidden.requires_grad_(), weight, labels, **tok, **kw)
+
+
 @pytest.mark.parametrize("be", ["torch", "triton"])
 def test_fused_upstream_grad_scales_and_second_backward_refused(be):
     """The gradients are computed in the forward and scaled in place by the upstream grad: a
@@ -137,3 +163,27 @@ def test_fused_upstream_grad_scales_and_second_backward_refused(be):
     assert torch.equal(grads[1][0], 0.25 * grads[0][0]) and torch.equal(grads[1][1], 0.25 * grads[0][1])
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_on_policy_old_log_prob_none_is_ratio_one(be):
+    """old_log_prob=None: the op's own log-probs, detached, are the old ones (ratio exactly 1), as if a
+    separate no-grad pass had supplied them; calculate_entropy returns the entropy without a coefficient."""
+    n, v = 29, 50
+    hidden, weight, labels = make_linear(n, 24, v, torch.float32)
+    adv, mask = torch.randn(n), torch.rand(n) > 0.3
+    with backend(be):
+        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, m = dk.fused_linear_policy_loss(h1, w1, labels, None, adv, mask, calculate_entropy=True)
+        loss.backward()
+        lp, ent = dk.linear_log_probs(hidden, weight, labels, return_entropy=True)
+        h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss2, m2 = dk.fused_linear_policy_loss(h2, w2, labels, lp.detach(), adv, mask)
+        loss2.backward()
+    assert m["ppo_kl"] == 0 and m["pg_clipfrac"] == 0 and m["pg_clipfrac_lower"] == 0
+    # A separate pass's fp32 log-prob puts the ratio within ~1e-7 of 1: the same loss and gradients.
+    torch.testing.assert_close(loss, loss2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(m["entropy"], ent, rtol=1e-6, atol=1e-6)
+    assert "entropy_loss" not in m and "entropy" not in m2  # no coefficient: no entropy term

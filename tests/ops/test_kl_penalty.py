@@ -21,3 +21,10 @@ def test_kl_penalty_matches_verl(kl_type):
         refs.append((ro, torch.autograd.grad(ro.sum(), r)[0]))
     assert_close_to_ref(out, refs[0][0], refs[1][0], name="kl")
     assert_close_to_ref(g, refs[0][1], refs[1][1], name="dkl")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_non_float_ref_log_prob_rejected(dtype):
+    """Issue 16 item 5: an integer or bool ref_log_prob is a mix-up, not a log-prob."""
+    with pytest.raises(ValueError, match="ref_log_prob"):
+        dk.kl_penalty(torch.randn(5), torch.ones(5, dtype=dtype))

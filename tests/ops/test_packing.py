@@ -212,6 +212,35 @@ def test_pad_bad_input(indices, batch, seqlen, exc, msg):
     assert_unchanged(before, xu, indices)
 
 
+@pytest.mark.parametrize("bk", BACKENDS)
+@pytest.mark.parametrize("dup", [[0, 4, 0], [9, 2, 9], [5, 5, 5], [3, 1, 1]], ids=lambda d: case_id(idx=d))
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=lambda d: case_id(dtype=d))
+def test_pad_duplicate_indices_rejected(bk, dup, idx_dtype):
+    """Issue 16 item 8: a repeated position has no defined result (which row lands there, and
+    which gets the gradient): rejected before the forward, so no graph or output is made."""
+    xu = torch.randn(3, 2, requires_grad=True)
+    indices = torch.tensor(dup, dtype=idx_dtype)
+    before = snapshot(xu, indices)
+    with backend(bk), pytest.raises(ValueError, match="indices must be distinct positions"):
+        dk.pad_input(xu, indices, 2, 5)
+    assert_unchanged(before, xu, indices)
+    assert xu.grad is None
+
+
+@pytest.mark.parametrize("bk", BACKENDS)
+def test_pad_distinct_unsorted_indices_forward_backward(bk):
+    """Distinct indices in any order stay valid (the duplicate check must not reject them)."""
+    B, S, F = 3, 7, 4
+    indices = torch.randperm(B * S)[:13]
+    xu = torch.randn(13, F, requires_grad=True)
+    with backend(bk):
+        out = dk.pad_input(xu, indices, B, S)
+    assert_equal(out, pad_input_ref(xu.detach(), indices, B, S), "pad_input")
+    g = torch.randn_like(out)
+    (gxu,) = torch.autograd.grad(out, xu, g)
+    assert_equal(gxu, g.reshape(B * S, F)[indices], "grad of pad_input")
+
+
 @pytest.mark.parametrize(
     "cu,total,msg",
     [

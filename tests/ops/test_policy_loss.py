@@ -1,10 +1,12 @@
 """dk.policy_loss against verl-semantics float64 references, both backends."""
 import math
+from unittest import mock
 
 import pytest
 import torch
 
 import dapo_kernels as dk
+from dapo_kernels.ops.policy_loss import aggregation_weights
 from dapo_kernels.reference import policy_loss_ref
 from tests.helpers import assert_close_to_ref, assert_no_nan, backend, case_id, cu_seqlens_from
 
@@ -135,6 +137,15 @@ def test_integer_mask_equals_bool_mask():
     ("clip-low-ge-1", ValueError, dict(clip_ratio_low=1.0)),
     ("cu-seqlens-with-2d", ValueError, dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32))),
     ("negative-num-tokens", ValueError, dict(num_tokens=-1)),
+    # Issue 16 item 5: NaN / inf / 0 where the loss would be NaN or ~1e30.
+    ("nan-clip-high", ValueError, dict(clip_ratio_high=math.nan)),
+    ("nan-clip-c", ValueError, dict(clip_ratio_c=math.nan)),
+    ("nan-num-tokens", ValueError, dict(num_tokens=math.nan)),
+    ("inf-num-tokens", ValueError, dict(num_tokens=math.inf)),
+    ("nan-num-seqs", ValueError, dict(num_seqs=math.nan, loss_agg_mode="seq-mean-token-mean")),
+    ("zero-loss-scale", ValueError, dict(loss_scale_factor=0, loss_agg_mode="seq-mean-token-sum-norm")),
+    ("zero-loss-scale-unused-mode", ValueError, dict(loss_scale_factor=0.0)),
+    ("bool-tensor-num-tokens", TypeError, dict(num_tokens=torch.tensor(True))),
 ])
 def test_bad_input(case, exc, kw):
     args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.zeros(2, 3),
@@ -143,6 +154,46 @@ def test_bad_input(case, exc, kw):
     args.update(pos)
     with pytest.raises(exc, match=next(iter(pos), None) or next(iter(kw))):
         dk.policy_loss(*args.values(), **kw)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("name,value,mode", [
+    ("num_tokens", torch.tensor(-5.0), "token-mean"),
+    ("num_tokens", torch.tensor([math.nan]), "token-mean"),
+    ("num_tokens", torch.tensor(-1), "token-mean"),
+    ("num_seqs", torch.tensor(math.inf), "seq-mean-token-sum"),
+    ("loss_scale_factor", torch.tensor(0.0), "seq-mean-token-sum-norm"),
+    ("loss_scale_factor", torch.tensor(-2.0), "seq-mean-token-sum-norm"),
+])
+def test_bad_tensor_count_asserted_on_device(be, name, value, mode):
+    """Tensor counts are checked by a device-side assert (no host sync): on the CPU it raises at once."""
+    lp, old, adv, mask = make_inputs((2, 5), torch.float32)
+    with backend(be), pytest.raises(RuntimeError, match=f"{name} must be finite and"):
+        dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode, **{name: value})
+
+
+def test_tensor_count_check_reads_no_value():
+    """The device-side count check must not read the tensor on the host (that would sync on a GPU)."""
+    lp, old, adv, mask = make_inputs((2, 5), torch.float32)
+    reads = ("item", "tolist", "__bool__", "__int__", "__float__")
+    with mock.patch.multiple(torch.Tensor, **{r: mock.Mock(side_effect=AssertionError(r)) for r in reads}):
+        loss, _ = dk.policy_loss(lp, old, adv, mask, num_tokens=torch.tensor(7))
+        w = aggregation_weights(mask, "seq-mean-token-sum-norm", num_seqs=torch.tensor(2),
+                                loss_scale_factor=torch.tensor(3.0))
+    assert loss.isfinite() and w.isfinite().all()
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_tensor_counts_equal_number_counts(be):
+    lp, old, adv, mask = make_inputs((3, 7), torch.float32)
+    with backend(be):
+        for mode, kw in (("token-mean", dict(num_tokens=9)), ("seq-mean-token-mean", dict(num_seqs=5)),
+                         ("seq-mean-token-sum-norm", dict(loss_scale_factor=2.5)),
+                         ("token-mean", dict(num_tokens=0))):
+            as_number, _ = dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode, **kw)
+            as_tensor, _ = dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode,
+                                          **{k: torch.tensor(v) for k, v in kw.items()})
+            assert torch.equal(as_number, as_tensor), (mode, kw)
 
 
 def test_packed_seq_mode_needs_cu_seqlens():

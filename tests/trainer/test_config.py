@@ -1,5 +1,8 @@
 """dapo_trainer.config: YAML + dotted overrides with verl's key names, unknown keys, wrong types."""
+import dataclasses
 import os
+import re
+import typing
 
 import pytest
 
@@ -120,3 +123,111 @@ def test_dapo_recipe_values():
     assert cfg.algorithm.filter_groups.metric == "acc" and cfg.algorithm.filter_groups.max_num_gen_batches == 10
     assert cfg.data.max_response_length == 20480
     assert Config() != cfg
+
+
+# --------------------------------------------------------------------------- issue 16 item 9: float values
+def _float_leaves():
+    """(key as the error names it, ``key=value`` override template) of every float leaf of Config,
+    found from the dataclasses' type hints (not from config.py's own walk)."""
+    cfg = Config()
+    for key in all_keys():
+        *parents, name = key.split(".")
+        obj = cfg
+        for p in parents:
+            obj = getattr(obj, p)
+        if not dataclasses.is_dataclass(obj):
+            continue
+        tp = typing.get_type_hints(type(obj))[name]
+        args = typing.get_args(tp)
+        if tp is float:
+            yield key, f"{key}={{}}"
+        elif typing.get_origin(tp) is list and args == (float,):
+            yield f"{key}[0]", f"{key}=[{{}}, 0.5]"
+        elif any(typing.get_origin(a) is dict and typing.get_args(a)[1] is float for a in args):
+            yield f"{key}.w", f"{key}={{{{w: {{}}}}}}"
+
+
+FLOAT_LEAVES = list(_float_leaves())
+
+
+def test_float_leaves_found():
+    keys = {k for k, _ in FLOAT_LEAVES}
+    assert {"actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.rollout.val_kwargs.temperature",
+            "actor_rollout_ref.actor.optim.betas[0]", "algorithm.filter_groups.metric.w"} <= keys
+    assert len(keys) == 18
+
+
+@pytest.mark.parametrize("bad", [".nan", ".inf", "-.inf", "nan"])
+@pytest.mark.parametrize("key,template", FLOAT_LEAVES, ids=[k for k, _ in FLOAT_LEAVES])
+def test_non_finite_float_names_key(key, template, bad):
+    """NaN entropy_coeff trained with a NaN loss and saved NaN weights: every float is checked at load."""
+    with pytest.raises(ValueError, match=re.escape(f"'{key}' must be finite")):
+        load_config(overrides=[template.format(bad)])
+
+
+@pytest.mark.parametrize("override,key", [
+    ("actor_rollout_ref.rollout.val_kwargs.temperature=-1", "actor_rollout_ref.rollout.val_kwargs.temperature"),
+    ("actor_rollout_ref.rollout.val_kwargs.top_p=0", "actor_rollout_ref.rollout.val_kwargs.top_p"),
+    ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=0", "actor_rollout_ref.rollout.gpu_memory_utilization"),
+    ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor_rollout_ref.actor.optim.lr"),
+    ("actor_rollout_ref.actor.optim.weight_decay=-0.1", "actor_rollout_ref.actor.optim.weight_decay"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9, 1.0]", "actor_rollout_ref.actor.optim.betas[1]"),
+    ("actor_rollout_ref.actor.optim.eps=-1e-8", "actor_rollout_ref.actor.optim.eps"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
+    ("actor_rollout_ref.actor.kl_loss_coef=-0.001", "actor_rollout_ref.actor.kl_loss_coef"),
+    # checked although the overlong buffer is off: a later enable=true must not meet a bad value
+    ("reward_model.overlong_buffer.penalty_factor=-1", "reward_model.overlong_buffer.penalty_factor"),
+    ("actor_rollout_ref.actor.clip_ratio_c=1", "actor_rollout_ref.actor.clip_ratio_c"),
+])
+def test_out_of_range_float_names_key(override, key):
+    with pytest.raises(ValueError, match=re.escape(f"'{key}' must be")):
+        load_config(overrides=[override])
+
+
+def test_boundary_floats_accepted():
+    cfg = load_config(overrides=["actor_rollout_ref.rollout.val_kwargs.temperature=0",
+                                 "actor_rollout_ref.actor.clip_ratio_low=0", "actor_rollout_ref.actor.optim.betas=[0, 0]",
+                                 "actor_rollout_ref.actor.entropy_coeff=-0.01", "actor_rollout_ref.rollout.top_p=1",
+                                 "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1"])
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.0
+
+
+def test_every_float_key_has_a_range():
+    from dapo_trainer.config import _FLOAT_RANGES
+
+    listed = {k.split("[")[0].removesuffix(".w") for k, _ in FLOAT_LEAVES}
+    assert listed == set(_FLOAT_RANGES)
+
+
+# --------------------------------------------------------------------------- issue 16 item 9: duplicate keys
+@pytest.mark.parametrize("text,key,line", [
+    ("data:\n  train_batch_size: 4\n  train_batch_size: 8\n", "train_batch_size", 3),
+    ("data:\n  train_batch_size: 4\ntrainer:\n  seed: 2\ndata:\n  max_response_length: 8\n", "data", 5),
+    ("algorithm:\n  filter_groups:\n    metric: {a: 1, b: 2, a: 3}\n", "a", 3),
+])
+def test_duplicate_yaml_key_names_key_and_line(tmp_path, text, key, line):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=f"duplicate config key '{key}' in .*c.yaml, line {line}"):
+        load_config(str(p))
+
+
+def test_key_set_dotted_and_nested_is_a_duplicate(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("data.train_batch_size: 4\ndata:\n  train_batch_size: 8\n")
+    with pytest.raises(ValueError, match="duplicate config key 'data.train_batch_size'"):
+        load_config(str(p))
+
+
+def test_duplicate_key_in_override_mapping():
+    with pytest.raises(ValueError, match="duplicate config key 'a'"):
+        load_config(overrides=["algorithm.filter_groups.metric={a: 0.5, a: 0.7}"])
+
+
+def test_yaml_merge_key_is_not_a_duplicate(tmp_path):
+    """``<<`` merges, then the keys next to it override: YAML's definition, not a duplicate."""
+    p = tmp_path / "c.yaml"
+    p.write_text("data:\n  <<: {train_batch_size: 4, max_response_length: 32}\n  train_batch_size: 8\n")
+    cfg = load_config(str(p))
+    assert (cfg.data.train_batch_size, cfg.data.max_response_length) == (8, 32)

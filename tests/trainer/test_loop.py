@@ -1,14 +1,16 @@
-"""The DAPO loop end to end on a tiny random model: micro run, exhaustion error, kill-and-resume."""
+"""The DAPO loop end to end on a tiny random model: micro run, exhaustion error, kill-and-resume,
+no duplicated metric rows, non-finite updates skipped."""
 import os
 
 import pytest
 import torch
 
 import dapo_kernels as dk
+from dapo_trainer.checkpoint import load_state_file
 from dapo_trainer.config import load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.metrics import read_metrics
-from dapo_trainer.trainer import DAPOTrainer
+from dapo_trainer.trainer import DAPOTrainer, NonFiniteTrainingError
 from tests.trainer.tiny import ZERO_REWARD, micro_setup
 
 # Every metric issue 9 names (and the kernel issues' pg_clipfrac_lower / ppo_kl).
@@ -89,8 +91,8 @@ def test_kill_and_resume_matches_uninterrupted(uninterrupted, tmp_path, monkeypa
     monkeypatch.setattr(DAPOTrainer, "update", real_update)
     run = os.path.join(str(tmp_path), "run")
     assert [m["step"] for m in read_metrics(run)] == [0, 1, 2]
-    carried = torch.load(os.path.join(run, "checkpoints", "global_step_2", "state_rank0.pt"),
-                         weights_only=False)["accumulator"]["num_buffered_groups"]
+    carried = load_state_file(os.path.join(run, "checkpoints", "global_step_2", "state_rank0.safetensors"))[
+        "accumulator"]["num_buffered_groups"]
     resumed = DAPOTrainer(load_config(overrides=overrides))
     assert resumed.global_step == 2 and resumed.accumulator.num_buffered_groups == carried
     resumed.fit()
@@ -121,3 +123,98 @@ def test_kl_loss_epochs_seq_mode_fixed_micro_batches(tmp_path):
     # Epoch 1 starts at the reference weights (KL 0), epoch 2 has moved away from them.
     assert m["actor/kl_loss"] > 0 and "timing_s/ref" in m
     assert m["train/keep_rate"] == 1.0 and m["train/num_gen_batches"] == 1
+
+
+def test_killed_before_the_first_checkpoint_never_repeats_a_step(tmp_path, monkeypatch):
+    """Three kills in step 1 (after step 0's validation row), then a full run: one row per step."""
+    overrides = micro_setup(str(tmp_path)) + ["trainer.total_training_steps=1"]
+    run = os.path.join(str(tmp_path), "run")
+    real_update = DAPOTrainer.update
+
+    def killed(self, batch):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(DAPOTrainer, "update", killed)
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            DAPOTrainer(load_config(overrides=overrides)).fit()
+        assert [m["step"] for m in read_metrics(run)] == [0]
+    monkeypatch.setattr(DAPOTrainer, "update", real_update)
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    assert [m["step"] for m in read_metrics(run)] == [0, 1]
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity forward; backward turns the gradient non-finite (the loss stays finite)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+def _poison(monkeypatch, bad_steps, kind):
+    """Make the policy loss of steps ``bad_steps`` non-finite (``kind="loss"``: the value only,
+    the gradient stays finite) or their gradient non-finite (``kind="grad"``)."""
+    real_loss, real_update = dk.fused_linear_policy_loss, DAPOTrainer.update
+    current = {}
+
+    def update(self, batch):
+        current["bad"] = self.global_step + 1 in bad_steps
+        return real_update(self, batch)
+
+    def loss_fn(hidden, *args, **kwargs):
+        if current["bad"] and kind == "grad":
+            hidden = _InfGrad.apply(hidden)
+        loss, m = real_loss(hidden, *args, **kwargs)
+        if current["bad"] and kind == "loss":
+            loss = loss + torch.tensor(float("nan"))  # no gradient path: only the value is NaN
+        return loss, m
+
+    monkeypatch.setattr(DAPOTrainer, "update", update)
+    monkeypatch.setattr(dk, "fused_linear_policy_loss", loss_fn)
+
+
+def _weights(root, step):
+    return load_hf_model(os.path.join(root, "run", "checkpoints", f"global_step_{step}", "model")).state_dict()
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
+    """Step 2's loss is NaN (its gradient finite): both of its updates are skipped and logged,
+    its checkpoint holds step 1's weights, and step 3 trains on."""
+    root = str(tmp_path)
+    overrides = micro_setup(root) + STEPS3 + ["trainer.val_before_train=false", "data.val_files=[]"]
+    _poison(monkeypatch, {2}, "loss")
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    lines = read_metrics(os.path.join(root, "run"))
+    assert [(m["step"], m["actor/skipped_updates"], m["actor/num_updates"]) for m in lines] == [
+        (1, 0, 2), (2, 2, 0), (3, 0, 2)]
+    assert lines[1]["actor/skip_reason"] == ("epoch 1 mini-batch 1: non-finite loss nan; "
+                                             "epoch 1 mini-batch 2: non-finite loss nan")
+    assert "actor/skip_reason" not in lines[0] and "actor/skip_reason" not in lines[2]
+    w1, w2, w3 = (_weights(root, s) for s in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert not torch.equal(w3["lm_head.weight"], w2["lm_head.weight"])
+    assert all(torch.isfinite(v).all() for v in w3.values())
+
+
+def test_non_finite_gradients_stop_the_run_after_max_nonfinite_steps(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    overrides = micro_setup(root) + STEPS3 + ["trainer.val_before_train=false", "data.val_files=[]",
+                                              "trainer.max_nonfinite_steps=2"]
+    with pytest.raises(ValueError, match="trainer.max_nonfinite_steps.* must be >= 1, got 0"):  # at load time
+        load_config(overrides=overrides + ["trainer.max_nonfinite_steps=0"])
+    _poison(monkeypatch, {1, 2, 3}, "grad")
+    with pytest.raises(NonFiniteTrainingError, match=r"trainer.max_nonfinite_steps=2: 2 steps in a row \(the last: "
+                                                     r"step 2, epoch 1 mini-batch 1: non-finite gradient norm"):
+        DAPOTrainer(load_config(overrides=overrides)).fit()
+    lines = read_metrics(os.path.join(root, "run"))
+    assert [(m["step"], m["actor/skipped_updates"]) for m in lines] == [(1, 2), (2, 2)]
+    # Step 1 was saved with the initial weights; the run stopped before saving step 2.
+    start = load_hf_model(os.path.join(root, "model")).state_dict()
+    w1 = _weights(root, 1)
+    assert all(torch.equal(start[k], w1[k]) for k in start)
+    assert not os.path.exists(os.path.join(root, "run", "checkpoints", "global_step_2"))

@@ -114,7 +114,7 @@ def _run_scenario(name: str, scenario: str, ids_list, workdir: str, group) -> di
 
 def _worker(rank: int, workdir: str):
     torch.set_num_threads(1)
-    ids_list = torch.load(os.path.join(workdir, "inputs.pt"))
+    ids_list = torch.load(os.path.join(workdir, "inputs.pt"), weights_only=True)
     results = {(name, sc): _run_scenario(name, sc, ids_list, workdir, dist.group.WORLD)
                for name in CONFIGS for sc in SCENARIOS}
     results[MIXED] = _run_scenario(*MIXED, ids_list, workdir, dist.group.WORLD)
@@ -166,7 +166,7 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
 
     spawn_process_group(_worker, WORLD, str(tmp_path), backend=backend_for_device("cpu"),
                         timeout=datetime.timedelta(seconds=120))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
     failures, table = [], []
     for name, ref in refs.items():

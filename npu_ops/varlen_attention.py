@@ -157,7 +157,7 @@ def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
     """``(out [T, Hq, D], lse fp32 [Hq, T] in the op's unit)`` via ``npu_fusion_attention``."""
     T, Hq, _ = q.shape
     if T == 0:
@@ -174,8 +174,10 @@ def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
     return _cat(outs), lse * lse_unit()
 
 
-def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
-    """``(dq, dk, dv)`` via ``npu_fusion_attention_grad``; dK/dV summed over each KV group by the kernel."""
+def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
+                         deterministic=True):
+    """``(dq, dk, dv)`` via ``npu_fusion_attention_grad``; dK/dV summed over each KV group by the kernel.
+    ``deterministic`` (the Triton backward's choice of dQ path) has no NPU counterpart here."""
     T, Hq, _ = q.shape
     if T == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

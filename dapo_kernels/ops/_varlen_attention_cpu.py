@@ -95,7 +95,8 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
 
 
 @register("varlen_attention_bwd", "torch")
-def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
+    # ``deterministic`` selects the Triton backward's dQ path; torch's CPU kernels have one.
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     lse_nat = lse.t()

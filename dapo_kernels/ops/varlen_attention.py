@@ -92,6 +92,7 @@ _GPU_TILES = {
     ("dq", 90, 4): _F32_DQ,
     ("dq", 80, 4): _F32_DQ,
 }
+_GPU_TILES.update({("dkdv_dq", a, s): t for (k, a, s), t in list(_GPU_TILES.items()) if k == "dkdv"})  # TODO tune
 # LPT order of the work lists; False keeps (sequence, block) order (GPU check compares).
 _LONGEST_FIRST = True
 _ARCH_FAMILY = {}
@@ -116,7 +117,8 @@ def _inner_configs(kernel: str, name: str):
     (autotuning interpreted kernels would run every config on the CPU)."""
     if INTERPRET:
         return [triton.Config({name: 16}, num_warps=1, num_stages=1)]
-    tiles = {c for (k, _, _), by_d in _GPU_TILES.items() if k == kernel for _, cs in by_d.values() for c in cs}
+    tiles = {c for (k, _, _), by_d in _GPU_TILES.items() if k.split("_")[0] == kernel
+             for _, cs in by_d.values() for c in cs}
     return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in sorted(tiles)]
 
 
@@ -126,7 +128,8 @@ def _prune(kernel: str, name: str) -> dict:
     def early_config_prune(configs, named_args, **kwargs):
         if INTERPRET:
             return configs
-        offered = _tiles(kernel, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
+        tiles = kernel + "_dq" if kwargs.get("ATOMIC_DQ") else kernel  # dK/dV with atomic dQ: its own
+        offered = _tiles(tiles, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
         return [c for c in configs if (c.kwargs[name], c.num_warps, c.num_stages) in offered]
     return {"early_config_prune": early_config_prune}
 
@@ -173,19 +176,22 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
         if MASK_CAUSAL:
             b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale
+        # Raw scores: the scale enters once per row through the max (qk_scale > 0, so
+        # max(s) * scale is the max of the scaled scores) and once per element inside exp2's
+        # argument, s * scale - m, one FMA. Scaling Q instead would round Q once more in 16 bits.
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         if MASK_CAUSAL:
             b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
         elif MASK_LEN:
             b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
         if MASK_CAUSAL or MASK_LEN:
             # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
             # gives p = 0 and alpha = 0 rather than exp2(-inf + inf) = NaN.
             b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         else:
             b_shift = b_m_new
-        b_p = tl.exp2(b_s - b_shift[:, None])
+        b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
         b_alpha = tl.exp2(b_m - b_shift)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         # P is rounded to the input dtype as flash attention does, then fed as DOT_T.
@@ -266,14 +272,15 @@ def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, T, Hq,
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, lo, hi, L, qk_scale,
-                MASK_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L, qk_scale,
+                sm_scale, MASK_CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
-    score mask needed for the length."""
+    score mask needed for the length. ``ATOMIC_DQ``: also add this key block's share of dQ,
+    dS @ K, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_M):
@@ -294,21 +301,33 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         if MASK_CAUSAL:  # a query's NaN lse / delta must not reach the keys it does not attend
             b_dst = tl.where(o_m[None, :] >= o_n[:, None], b_dst, 0.0)
-        b_dk += tl.dot(_cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T), b_q, input_precision=PREC)
+        b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
+        b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
+        if ATOMIC_DQ:
+            # Keys this tile's queries do not attend must not turn their zero dS into NaN.
+            b_kq = _finite_or_zero(b_k) if MASK_CAUSAL else b_k
+            b_dq = tl.dot(tl.trans(b_dst), b_kq, input_precision=PREC) * sm_scale
+            tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
 
 
-@triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"), key=["HEAD_DIM", "IS_CAUSAL", "DOT_T"],
-                 prune_configs_by=_prune("dkdv", "BLOCK_M"))
+# reset_to_zero: timing a config adds into the dQ buffer (ATOMIC_DQ); the autotuner zeroes it
+# before each timed run and before the run that counts.
+@triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"), key=["HEAD_DIM", "IS_CAUSAL", "ATOMIC_DQ", "DOT_T"],
+                 prune_configs_by=_prune("dkdv", "BLOCK_M"), reset_to_zero=["p_dq"])
 @triton.jit
 def _varlen_attention_bwd_dkdv_kernel(
-    p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
+    p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_dq, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """dK, dV of one (key block, KV head): loops over the GROUP query heads sharing the KV
     head and over their query blocks, summing in registers; one writer per element, so
-    the result is deterministic and needs no atomics or zero-init."""
+    dK / dV are deterministic and need no atomics or zero-init. ``ATOMIC_DQ`` (flash-attn's
+    ``deterministic=False``): dQ too, added with fp32 atomics into the zeroed buffer ``p_dq``
+    (5 matmuls per tile pair in all instead of 7 with the separate dQ kernel; the order of the
+    atomic adds, hence dQ's last bits, varies from run to run)."""
     i_pid = tl.program_id(0)
     i_w = i_pid // Hkv
     i_hk = i_pid % Hkv
@@ -338,11 +357,14 @@ def _varlen_attention_bwd_dkdv_kernel(
         p_doh = p_do + bos * stride_q + i_h * HEAD_DIM
         p_lseh = p_lse + i_h * T + bos
         p_deltah = p_delta + i_h * T + bos
+        p_dqh = p_dq + bos * stride_q + i_h * HEAD_DIM
         if IS_CAUSAL:
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, stride_q, o_n,
-                                     lo, mid, L, qk_scale, True, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
-        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, stride_q, o_n,
-                                 mid, L, L, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                                     lo, mid, L, qk_scale, sm_scale, True, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                     DOT_T, PREC, INTERPRET)
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                                 mid, L, L, qk_scale, sm_scale, False, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                 DOT_T, PREC, INTERPRET)
     tl.store(p_dk + o_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET), mask=m_kv)
     tl.store(p_dv + o_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET), mask=m_kv)
 
@@ -486,7 +508,7 @@ def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 @register("varlen_attention_bwd", "triton")
-def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
     dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -498,11 +520,18 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     delta = _launch_delta(out, dout)
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **_dtype_meta(q.dtype))
     scales = (softmax_scale * _LOG2E, softmax_scale)
-    block = _outer_block("dkdv", q.dtype, D)
+    atomic = not deterministic
+    # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
+    dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+              ).zero_() if atomic else dq
+    block = _outer_block("dkdv_dq" if atomic else "dkdv", q.dtype, D)
     work_kv = _work_list(cu_seqlens, T, block, causal, True)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block, **meta,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,
+        ATOMIC_DQ=atomic, **meta,
     )
+    if atomic:
+        return (dq if dq_acc is dq else dq.copy_(dq_acc)), dk, dv
     block = _outer_block("dq", q.dtype, D)
     work_q = _work_list(cu_seqlens, T, block, causal, False)
     _varlen_attention_bwd_dq_kernel[(work_q.shape[0] * Hq,)](
@@ -537,7 +566,7 @@ def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, keys:
 @torch.library.custom_op("dapo::varlen_attention_fwd", mutates_args=())
 def _varlen_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-    max_seqlen: int, causal: bool, softmax_scale: float,
+    max_seqlen: int, causal: bool, softmax_scale: float, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
 
@@ -545,7 +574,8 @@ def _varlen_attention_fwd(
     probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
     Triton, natural log for the torch path (torch's CPU kernels) and for out-of-tree kernels
     (e.g. npu_ops, which run whatever backend is forced). The public function converts to
-    natural log; autograd runs the backward on the forward's backend.
+    natural log; autograd runs the backward on the forward's backend, with ``deterministic``
+    (which the forward does not use).
 
     NaN in, NaN out, whatever the backend's block sizes: the rows of ``out`` and ``lse`` of a
     query whose ``q``, or the ``k`` / ``v`` of a key it attends, hold a NaN or inf are NaN, and
@@ -557,7 +587,7 @@ def _varlen_attention_fwd(
 
 
 @_varlen_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -565,14 +595,17 @@ def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
 def _varlen_attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, softmax_scale: float,
+    deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head.
+    ``deterministic=False`` lets the Triton backend add dQ with fp32 atomics (faster, last bits
+    vary between runs); the torch path is deterministic either way.
 
     A query whose ``lse`` is NaN (the forward's mark of a non-finite input it depends on) or whose
     ``dout`` holds a NaN or inf gets NaN ``dq``, and the keys it attends NaN ``dk`` / ``dv``; nothing
     else does (the backends read non-finite values as 0 where they are not attended)."""
     dq, dk, dv = dispatch("varlen_attention_bwd", q.device)(
-        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale
+        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic
     )
     T, Hq, _ = q.shape
     bad = lse.isnan().t() | _nonfinite_rows(dout)
@@ -582,15 +615,15 @@ def _varlen_attention_bwd(
 
 
 @_varlen_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale):
+def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, *deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.args = (max_seqlen, causal, softmax_scale)
+    ctx.args = (max_seqlen, causal, softmax_scale, *deterministic)
     ctx.backend = current_backend(q.device)  # lse's unit depends on it
     ctx.mark_non_differentiable(lse)
 
@@ -599,7 +632,7 @@ def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     with use_backend(ctx.backend):
         dq, dk, dv = _varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _varlen_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -635,6 +668,7 @@ def varlen_attention(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention inside each packed sequence (flash-attn ``flash_attn_varlen_func`` semantics).
 
@@ -650,6 +684,10 @@ def varlen_attention(
             keys of its sequence.
         softmax_scale: scale of ``q @ k^T``; default ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp (natural log) of the scaled scores.
+        deterministic: flash-attn's flag, same default. ``False``: the Triton backward adds dQ
+            with fp32 atomics inside the dK/dV kernel (5 matmuls per tile pair, not 7); its
+            last bits may differ between runs. ``True``: a separate dQ kernel, bitwise
+            reproducible. The torch (CPU) path is deterministic either way.
 
     ``D`` must be one of ``SUPPORTED_HEAD_DIMS`` = (16, 32, 64, 96, 128, 256).
 
@@ -661,7 +699,7 @@ def varlen_attention(
         TypeError / ValueError naming the argument, before any work (see
         :mod:`dapo_kernels._validation`). Validating ``cu_seqlens`` costs one host sync.
 
-    Differentiable for ``q``, ``k``, ``v``; the backward is deterministic.
+    Differentiable for ``q``, ``k``, ``v``.
 
     NaN / inf: a query's ``out`` / ``lse`` / ``dq`` rows are NaN when its ``q``, or the ``k`` / ``v``
     of a key it attends (its sequence; causal: that key and the earlier ones), hold a NaN or inf,
@@ -673,10 +711,11 @@ def varlen_attention(
     max_seqlen = check_int("max_seqlen", max_seqlen, minimum=0)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
+    deterministic = check_flag("deterministic", deterministic)
     scale = _check_scale(softmax_scale, q.shape[2])
     out, lse = _varlen_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.to(torch.int32).contiguous(),
-        max_seqlen, causal, scale,
+        max_seqlen, causal, scale, deterministic,
     )
     if not return_lse:
         return out

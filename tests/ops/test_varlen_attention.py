@@ -65,8 +65,12 @@ def _inputs(lengths, D, Hq, Hkv, dtype):
 
 
 def _run(impl, q, k, v, cu, max_seqlen, causal, scale):
-    with backend(impl):
-        out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True)
+    """``impl``: a backend name, or ``triton-deterministic`` (the Triton backward's dQ kernel
+    instead of the default atomic dQ)."""
+    name, _, det = impl.partition("-")
+    with backend(name):
+        out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True,
+                                       deterministic=bool(det))
         dout = torch.randn_like(out)
         grads = _grads(out, q, k, v, dout)
     return out, lse, grads, dout
@@ -132,7 +136,7 @@ def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64):
     return (worse[0], naive[1]) + tuple(worse[1:])
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "triton-deterministic"])
 @pytest.mark.parametrize(
     "D,Hq,Hkv,causal,dtype,kind", CASES,
     ids=[case_id(D=c[0], Hq=c[1], Hkv=c[2], causal=c[3], dtype=c[4], L=c[5]) for c in CASES],
@@ -196,9 +200,9 @@ def test_no_tokens(impl, causal):
 
 def test_triton_backward_is_deterministic():
     q, k, v, cu = _inputs([37, 1, 0, 20], 32, 4, 1, BF16)
-    out, _, grads, dout = _run("triton", q, k, v, cu, 37, True, None)
+    out, _, grads, dout = _run("triton-deterministic", q, k, v, cu, 37, True, None)
     with backend("triton"):
-        again = torch.autograd.grad(dk.varlen_attention(q, k, v, cu, 37), (q, k, v), dout)
+        again = torch.autograd.grad(dk.varlen_attention(q, k, v, cu, 37, deterministic=True), (q, k, v), dout)
     for g, h in zip(grads, again):
         assert torch.equal(g, h)
 
@@ -281,7 +285,7 @@ def _good():
 
 
 def _call(args):
-    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse") if n in args}
+    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse", "deterministic") if n in args}
     return dk.varlen_attention(args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"], **kw)
 
 
@@ -303,6 +307,7 @@ BAD = [
     ("q-type", lambda g: dict(q=g["q"].tolist()), TypeError, "q must be a torch.Tensor"),
     ("max-seqlen-type", lambda g: dict(max_seqlen=3.0), TypeError, "max_seqlen must be an int"),
     ("causal-type", lambda g: dict(causal=1), TypeError, "causal must be a bool"),
+    ("deterministic-type", lambda g: dict(deterministic=None), TypeError, "deterministic must be a bool"),
     ("scale", lambda g: dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a finite positive"),
     ("scale-type", lambda g: dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
 ]

@@ -103,8 +103,9 @@ def _attention(specs) -> Iterator[Case]:
             k, v = torch.randn(T, Hkv, D, dtype=dt), torch.randn(T, Hkv, D, dtype=dt)
             cu = torch.tensor([0, 96, T], dtype=torch.int32)
             out, lse = _impls["varlen_attention_fwd"]["triton"](q, k, v, cu, 160, causal, D ** -0.5)
-            _impls["varlen_attention_bwd"]["triton"](torch.randn_like(q), q, k, v, out, lse, cu, 160, causal,
-                                                     D ** -0.5)
+            for deterministic in (True, False):  # the dQ kernel; dQ by atomics in the dK/dV kernel
+                _impls["varlen_attention_bwd"]["triton"](torch.randn_like(q), q, k, v, out, lse, cu, 160, causal,
+                                                         D ** -0.5, deterministic)
         yield Case("varlen_attention", _name(dt), f"D={D} {'causal' if causal else 'full'}", run)
 
 
@@ -241,7 +242,7 @@ class Record:
     compile_s: float = 0.0
 
 
-_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|num_warps|num_stages)$")
+_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|num_warps|num_stages)$")
 
 
 @contextlib.contextmanager

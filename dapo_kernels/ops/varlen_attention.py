@@ -303,10 +303,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q,
             b_dst = tl.where(o_m[None, :] >= o_n[:, None], b_dst, 0.0)
         b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
         b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
-        if ATOMIC_DQ:
-            # Keys this tile's queries do not attend must not turn their zero dS into NaN.
-            b_kq = _finite_or_zero(b_k) if MASK_CAUSAL else b_k
-            b_dq = tl.dot(tl.trans(b_dst), b_kq, input_precision=PREC) * sm_scale
+        if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed when causal: see the kernel)
+            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
             tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
 
@@ -345,6 +343,12 @@ def _varlen_attention_bwd_dkdv_kernel(
     m_kv = (o_n < L)[:, None] & (o_d < HEAD_DIM)[None, :]
     o_kv = (bos + o_n)[:, None] * stride_kv + i_hk * HEAD_DIM + o_d[None, :]
     b_k = tl.load(p_k + o_kv, mask=m_kv, other=0.0).to(DOT_T)
+    if IS_CAUSAL and ATOMIC_DQ:
+        # dQ += dS @ K over the diagonal tile reaches queries that do not attend every key of the
+        # block: a non-finite key would make their zero dS NaN. Zeroed once here (not per tile,
+        # which would keep a second K tile live): such a key's own dK / dV rows change from NaN to
+        # finite, and the op marks them NaN anyway (its own query attends it and is marked).
+        b_k = _finite_or_zero(b_k)
     b_v = tl.load(p_v + o_kv, mask=m_kv, other=0.0).to(DOT_T)
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)

@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # Tests run in parallel on the 2 cores; interpreted Triton is CPU-bound Python.
 TEST_WORKERS ?= 2
 
-.PHONY: all install demo test test-vllm vllm-install bench bench-deps clean
+.PHONY: all install demo demo-dialog test test-vllm vllm-install bench bench-deps clean
 
 all: install
 
@@ -32,6 +32,11 @@ install: $(VENV)/.ext
 # "held-out accuracy: before X% -> after Y%". (The packing demo: python -m dapo_kernels.demo.)
 demo: install
 	$(PY) -m dapo_trainer.demo
+
+# The multi-turn dialogue demo (order-status desk, dapo_trainer/demo/dialog.py); prints
+# "held-out dialogue success: before X% -> after Y%".
+demo-dialog: install
+	$(PY) -m dapo_trainer.demo --task dialog
 
 # The DAPO paper's ablation ladder on the demo task at an equal sample budget.
 ablation: install

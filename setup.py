@@ -1,4 +1,4 @@
-"""Build and install dapo_kernels (+ dapo_trainer, npu_ops).
+"""The C++ extension of dapo_kernels (+ dapo_trainer, npu_ops; metadata in pyproject.toml).
 
 The C++ extension ``dapo_kernels._C`` is plain C++17 bound with pybind11; it does
 not link against libtorch, so it builds on any machine with a C++ compiler. CUDA
@@ -9,9 +9,8 @@ import glob
 import os
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import find_packages, setup
+from setuptools import setup
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 cxx_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 
@@ -26,25 +25,9 @@ ext_modules = [
 ]
 
 
-def _read_requirements(name):
-    with open(os.path.join(HERE, name)) as f:
-        return [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-
-
+# Metadata, dependencies and entry points are in pyproject.toml's [project] table.
 setup(
-    name="dapo-kernels",
-    version="0.1.0",
-    description="Kernels and a compact reference trainer for DAPO / GRPO RL training of LLMs",
-    packages=find_packages(include=["dapo_kernels*", "dapo_trainer*", "npu_ops*"]),
-    python_requires=">=3.10",
-    install_requires=_read_requirements("requirements.txt"),
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
-    entry_points={
-        "console_scripts": ["dapo-report=dapo_trainer.report:main"],
-        # Out-of-tree device backends, loaded by dapo_kernels on the first privateuseone tensor
-        # (the way torch loads its own out-of-tree devices); npu_ops is the Ascend one.
-        "dapo_kernels.backends": ["npu = npu_ops:register"],
-    },
     zip_safe=False,
 )

@@ -111,6 +111,27 @@ def check_float_or_tensor(name: str, value, *, valid: Callable, expected: str, d
                         dtype=torch.float64, device=device)
 
 
+MASK_DTYPES = (torch.bool,) + INT_DTYPES + FLOAT_DTYPES
+
+
+def check_mask(name: str, mask, *, ndim=None, device=None, shape=None) -> torch.Tensor:
+    """A token mask as bool: bool, integer (nonzero = selected) or float 0 / 1 (verl's
+    ``response_mask`` / ``attention_mask`` are float or int64 in places).
+
+    A float mask holding any other value (0.5, NaN, ...) is rejected, not read as a weight: checked
+    on the device with ``torch._assert_async`` (no host sync; a ``RuntimeError`` naming the argument,
+    at once on the CPU, at the next synchronisation on an accelerator). Shape / dtype / device
+    errors are ``ValueError`` / ``TypeError`` as in :func:`check_tensor`.
+    """
+    check_tensor(name, mask, ndim=ndim, dtypes=MASK_DTYPES, device=device, shape=shape)
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        torch._assert_async(((mask == 0) | (mask == 1)).all(),
+                            f"{name}: a float mask must hold only 0 and 1 (checked on the device)")
+    return mask != 0
+
+
 @per_tensor_cache
 def cu_seqlens_boundaries(cu_seqlens: torch.Tensor) -> tuple:
     """(first, last, number of decreasing steps) of a non-empty ``cu_seqlens``: one transfer of three
@@ -125,6 +146,17 @@ def value_range(t: torch.Tensor) -> tuple:
     """(min, max) of a non-empty tensor: one read per tensor (the label range check of the log-prob
     ops, which a packed batch's micro-batches reuse across epochs)."""
     return tuple(torch.stack(torch.aminmax(t)).tolist())
+
+
+@per_tensor_cache
+def value_range_except(t: torch.Tensor, excluded: int) -> tuple:
+    """(min, max) of the entries of a non-empty integer tensor other than ``excluded`` (the log-prob
+    ops' ``ignore_index``), in one read; (1, 0) (min > max) if every entry is ``excluded``."""
+    keep = t != excluded
+    info = torch.iinfo(t.dtype)
+    lo, hi, any_kept = torch.stack([torch.where(keep, t, info.max).min(), torch.where(keep, t, info.min).max(),
+                                    keep.any().to(t.dtype)]).tolist()
+    return (lo, hi) if any_kept else (1, 0)
 
 
 def to_device_checked(t: torch.Tensor, device) -> torch.Tensor:

@@ -16,10 +16,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_int, check_tensor
+from ._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_int, check_mask, check_tensor
 
 GROUP_INDEX_KEY = "group_index"
 _PREFIX = "dynamic_sampling/"
+# Which buffered groups fill a train batch first (DynamicBatchAccumulator.take).
+PREFER_MODES = ("first", "longest", "random")
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -125,7 +127,7 @@ class DynamicBatchAccumulator:
             raise TypeError(f"batch_tensors must be a non-empty dict of tensors, got {type(batch).__name__}")
         if GROUP_INDEX_KEY in batch:
             raise ValueError(f"batch_tensors must not contain {GROUP_INDEX_KEY!r}: take() adds it")
-        check_tensor("keep", keep, ndim=1, dtypes=(torch.bool,))
+        keep = check_mask("keep", keep, ndim=1)
         N, dev = keep.shape[0], keep.device
         check_tensor("group_index", group_index, dtypes=(torch.int64, torch.int32), device=dev, shape=[N])
         if scores is not None:
@@ -136,7 +138,7 @@ class DynamicBatchAccumulator:
                 raise ValueError(f"batch_tensors[{k!r}] must have {N} rows (len(keep)), got shape {tuple(v.shape)}")
         if self._keys is not None and tuple(sorted(batch)) != self._keys:
             raise ValueError(f"batch_tensors keys {sorted(batch)} differ from earlier batches' {list(self._keys)}")
-        return N
+        return N, keep
 
     def add(self, batch_tensors: Dict[str, torch.Tensor], group_index: torch.Tensor, keep: torch.Tensor, *,
             scores: Optional[torch.Tensor] = None) -> None:
@@ -145,14 +147,14 @@ class DynamicBatchAccumulator:
         Args:
             batch_tensors: ``{name: [N, ...] tensor}``, one row per response.
             group_index: ``[N]`` int64/int32 prompt group of each row, any order.
-            keep: ``[N]`` bool, e.g. ``group_filter(...).keep``; whole groups only.
+            keep: ``[N]`` bool (or integer / float 0 / 1), e.g. ``group_filter(...).keep``; whole groups only.
             scores: optional ``[N]`` filter metric, for the all-correct / all-wrong counts.
 
         Raises ValueError (nothing appended) if a kept group does not have exactly
         ``n_per_prompt`` rows, and :class:`DynamicSamplingExhausted` (after appending) when
         the batch is still not full after ``max_num_gen_batches`` generation batches.
         """
-        N = self._check_batch(batch_tensors, group_index, keep, scores)
+        N, keep = self._check_batch(batch_tensors, group_index, keep, scores)
         gi = group_index.long()
         n = self.n_per_prompt
         # Kept rows first, by group index: a second stable sort on ~keep, not a sentinel index for
@@ -197,19 +199,30 @@ class DynamicBatchAccumulator:
             f"prompt (rollout.n), or train on data closer to the model's level."
         )
 
-    def take(self) -> Dict[str, torch.Tensor]:
+    def take(self, prefer: str = "first", key: Optional[str] = None, seed: int = 0) -> Dict[str, torch.Tensor]:
         """Exactly ``train_batch_size`` whole groups: every key of ``batch_tensors`` with
         ``train_batch_size * n_per_prompt`` rows, plus ``'group_index'`` (int64, groups
         numbered ``0..train_batch_size-1``, rows of a group contiguous).
 
-        Surplus groups stay buffered for the next step (``carry_over=True``) or are dropped.
-        Raises RuntimeError when not :attr:`ready`.
+        ``prefer`` picks the groups when more are buffered than the batch needs: "first"
+        (arrival order), "longest" (largest mean of ``batch_tensors[key]`` over the group's
+        rows first, ties in arrival order) or "random" (a permutation drawn from ``seed``).
+        Surplus groups stay buffered, in arrival order, for the next step (``carry_over=True``)
+        or are dropped. Raises RuntimeError when not :attr:`ready`.
         """
+        if prefer not in PREFER_MODES:
+            raise ValueError(f"prefer must be one of {PREFER_MODES}, got {prefer!r}")
+        if prefer == "longest" and key not in (self._keys or ()):
+            raise ValueError(f"prefer='longest' needs key naming one of the batch tensors {list(self._keys or ())}, "
+                             f"got {key!r}")
+        check_int("seed", seed)
         if not self.ready:
             raise RuntimeError(f"take() needs {self.train_batch_size} kept groups, only "
                                f"{self.num_buffered_groups} are buffered; add more batches while not acc.ready")
         rows = self.train_batch_size * self.n_per_prompt
         merged = {k: torch.cat([c[k] for c in self._chunks]) for k in self._keys}
+        if prefer != "first" and self.num_buffered_groups > self.train_batch_size:
+            merged = self._preferred_first(merged, prefer, key, seed)
         out = {k: v[:rows] for k, v in merged.items()}
         dev = next(iter(out.values())).device
         out[GROUP_INDEX_KEY] = torch.arange(self.train_batch_size, device=dev).repeat_interleave(self.n_per_prompt)
@@ -221,3 +234,20 @@ class DynamicBatchAccumulator:
                              _PREFIX + "groups_discarded": surplus - carried}
         self._reset_step(carried_in=carried)
         return out
+
+    def _preferred_first(self, merged, prefer: str, key: Optional[str], seed: int):
+        """``merged`` with the preferred ``train_batch_size`` groups first, then the rest in arrival order."""
+        G, n = self.num_buffered_groups, self.n_per_prompt
+        dev = next(iter(merged.values())).device
+        if prefer == "longest":
+            per_group = merged[key].reshape(G, n, -1).double().mean(dim=(1, 2))
+            order = torch.argsort(-per_group, stable=True)
+        else:
+            order = torch.randperm(G, generator=torch.Generator().manual_seed(seed)).to(dev)
+        chosen = torch.zeros(G, dtype=torch.bool, device=dev)
+        chosen[order[:self.train_batch_size]] = True
+        # Chosen groups in preference order, then the others by a stable sort on "not chosen".
+        rest = torch.argsort(chosen.logical_not().to(torch.int8), stable=True)[self.train_batch_size:]
+        groups = torch.cat([order[:self.train_batch_size], rest])
+        idx = (groups[:, None] * n + torch.arange(n, device=dev)).reshape(-1)
+        return {k: v.index_select(0, idx) for k, v in merged.items()}

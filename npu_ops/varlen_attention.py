@@ -157,8 +157,16 @@ def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
+def _check_plain(window_left: int, window_right: int, softcap: float, causal: bool) -> None:
+    """Sliding window and soft-capping are not wired to ``npu_fusion_attention`` yet."""
+    if window_left >= 0 or (window_right >= 0 and not causal) or softcap:
+        raise NotImplementedError("varlen_attention on NPU: window_size and softcap are not supported yet")
+
+
+def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1,
+                         softcap=0.0, deterministic=True):
     """``(out [T, Hq, D], lse fp32 [Hq, T] in the op's unit)`` via ``npu_fusion_attention``."""
+    _check_plain(window_left, window_right, softcap, causal)
     T, Hq, _ = q.shape
     if T == 0:
         return torch.empty_like(q), q.new_empty((Hq, 0), dtype=torch.float32)
@@ -174,10 +182,11 @@ def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale,
     return _cat(outs), lse * lse_unit()
 
 
-def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
-                         deterministic=True):
+def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1,
+                         window_right=-1, softcap=0.0, deterministic=True):
     """``(dq, dk, dv)`` via ``npu_fusion_attention_grad``; dK/dV summed over each KV group by the kernel.
     ``deterministic`` (the Triton backward's choice of dQ path) has no NPU counterpart here."""
+    _check_plain(window_left, window_right, softcap, causal)
     T, Hq, _ = q.shape
     if T == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

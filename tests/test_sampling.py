@@ -184,9 +184,9 @@ def test_partial_group_rejected_nothing_appended():
                      torch.ones(2, dtype=torch.bool)), ValueError, "must not contain 'group_index'"),
     (lambda a: a.add({"v": torch.arange(2)}, torch.zeros(2), torch.ones(2, dtype=torch.bool)),
      ValueError, "group_index must have dtype"),
-    (lambda a: a.add({"v": torch.arange(2)}, torch.zeros(2, dtype=torch.long), torch.ones(2)),
+    (lambda a: a.add({"v": torch.arange(2)}, torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.complex64)),
      ValueError, "keep must have dtype"),
-], ids=["take-empty", "not-dict", "rows", "reserved-key", "float-index", "float-keep"])
+], ids=["take-empty", "not-dict", "rows", "reserved-key", "float-index", "complex-keep"])
 def test_validation(call, err, match):
     with pytest.raises(err, match=match):
         call(dk.DynamicBatchAccumulator(2, 2, 0))

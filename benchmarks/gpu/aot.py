@@ -50,7 +50,9 @@ MATMUL_KERNELS = (
     "_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel", "_varlen_attention_bwd_dq_kernel",
     "_linear_log_probs_fwd_kernel", "_linear_log_probs_bwd_kernel",
 )
-ATTN_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+ATTN_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the rows of varlen_attention's _GPU_TILES
+# Head dims between the rows (multiples of 8, masked columns): they compile to other kernels.
+ODD_HEAD_DIMS = (8, 40, 80, 112, 160, 200)
 # Contiguous group_filter: each power of two up to the widest tile (the kernel's tile shape), and
 # sizes that are not multiples of 16 (Triton specialises integer arguments on that).
 GROUP_SIZES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 3000, 4096)
@@ -93,20 +95,26 @@ def _name(dtype) -> str:
 
 
 def _attention(specs) -> Iterator[Case]:
-    """``specs``: (dtype, head dim, causal) triples; forward and backward (delta, dK/dV, dQ)."""
+    """``specs``: (dtype, head dim, causal[, variant]) tuples; forward and backward (delta, dK/dV
+    with and without atomic dQ, dQ). ``variant`` "local" adds a sliding window and soft-capping
+    (the LOCAL / SOFTCAP instances of every kernel); default "plain"."""
     import torch
     from dapo_kernels._registry import _impls
     T, Hq, Hkv = 256, 4, 2  # GROUP = 2: the GQA loop of the dK/dV kernel
-    for dt, D, causal in specs:
-        def run(dt=dt, D=D, causal=causal):
+    for dt, D, causal, *variant in specs:
+        local = variant == ["local"]
+        masking = (48, -1 if causal else 16, 30.0) if local else (-1, -1, 0.0)  # window left/right, softcap
+
+        def run(dt=dt, D=D, causal=causal, masking=masking):
             q = torch.randn(T, Hq, D, dtype=dt)
             k, v = torch.randn(T, Hkv, D, dtype=dt), torch.randn(T, Hkv, D, dtype=dt)
             cu = torch.tensor([0, 96, T], dtype=torch.int32)
-            out, lse = _impls["varlen_attention_fwd"]["triton"](q, k, v, cu, 160, causal, D ** -0.5)
+            out, lse = _impls["varlen_attention_fwd"]["triton"](q, k, v, cu, 160, causal, D ** -0.5, *masking)
             for deterministic in (True, False):  # the dQ kernel; dQ by atomics in the dK/dV kernel
                 _impls["varlen_attention_bwd"]["triton"](torch.randn_like(q), q, k, v, out, lse, cu, 160, causal,
-                                                         D ** -0.5, deterministic)
-        yield Case("varlen_attention", _name(dt), f"D={D} {'causal' if causal else 'full'}", run)
+                                                         D ** -0.5, *masking, deterministic)
+        yield Case("varlen_attention", _name(dt),
+                   f"D={D} {'causal' if causal else 'full'}{' window+softcap' if local else ''}", run)
 
 
 def _linear(dtypes) -> Iterator[Case]:
@@ -178,7 +186,8 @@ def cases(which: str) -> List[Case]:
     ``test`` (the CPU test's budget): every kernel and every config the pruning keeps for the
     inputs compiled; attention at every head dim once per dtype class, causal and non-causal
     alternating (16-bit: bf16 D=16/64/128 causal, fp16 D=32/96/128 non-causal, bf16 D=256
-    non-causal; fp32: D=32/96/256 causal, D=16/64/128 non-causal); linear_log_probs in bf16 and
+    non-causal; fp32: D=32/96/256 causal, D=16/64/128 non-causal), two head dims between the
+    rows (bf16 80, fp32 112) and two window + soft-capping instances; linear_log_probs in bf16 and
     fp32; the elementwise kernels at one dtype each (their dtype changes only loads and stores),
     group_filter at groups of 4 and 16 (the shapes that spilled before their fix).
     """
@@ -186,7 +195,9 @@ def cases(which: str) -> List[Case]:
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
     ints = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
     if which == "full":
-        return [*_attention([(dt, D, c) for dt in (f16, bf16, f32) for D in ATTN_HEAD_DIMS for c in (True, False)]),
+        return [*_attention([(dt, D, c) for dt in (f16, bf16, f32) for D in ATTN_HEAD_DIMS for c in (True, False)]
+                            + [(dt, D, True) for dt in (bf16, f32) for D in ODD_HEAD_DIMS]
+                            + [(dt, D, True, "local") for dt in (bf16, f32) for D in (64, 128, 256)]),
                 *_linear((f16, bf16, f32)),
                 *_policy_loss((f16, bf16, f32, f64)),
                 *_group_filter((f32, f64), GROUP_SIZES, (torch.int64, torch.int32), ints + [f32, f64]),
@@ -196,7 +207,8 @@ def cases(which: str) -> List[Case]:
         return [*_attention([(bf16, 16, True), (f16, 32, False), (bf16, 64, True), (f16, 96, False),
                              (bf16, 128, True), (f16, 128, False), (bf16, 256, False),
                              (f32, 16, False), (f32, 32, True), (f32, 64, False), (f32, 96, True),
-                             (f32, 128, False), (f32, 256, True)]),
+                             (f32, 128, False), (f32, 256, True), (bf16, 80, True), (f32, 112, False),
+                             (bf16, 128, True, "local"), (f32, 64, False, "local")]),
                 *_linear((bf16, f32)),
                 *_policy_loss((bf16,)),
                 *_group_filter((f64,), (4, 16), (torch.int32,), (torch.int64,)),

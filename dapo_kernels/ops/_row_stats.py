@@ -35,7 +35,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._validation import check_float, check_tensor, value_range
+from .._validation import check_float, check_int, check_tensor, value_range, value_range_except
 
 # CPU chunk: the [C, V] fp32 work buffers (one, two with entropy) in 64 MiB keep each matmul
 # at >= 512 rows at V = 32k (full speed: measured no faster at 1024) for an eighth of naive's
@@ -299,8 +299,10 @@ def accumulate_grads(dz, x, w32, d_h, d_w, sl: slice, live: Optional[torch.Tenso
     d_w.addmm_(dz.t(), x, beta=beta)
 
 
-def check_linear_inputs(hidden, weight, labels, temperature, process_group):
-    """Validate; return (vocab_start, group key). One host sync for the label range."""
+def check_linear_inputs(hidden, weight, labels, temperature, process_group, ignore_index=None):
+    """Validate; return (vocab_start, group key, bool ``[N]`` of the labels equal to ``ignore_index``,
+    or None when there are none: known from the label range, so the common case costs nothing).
+    One host sync for the label range (two the first time a tensor holds ``ignore_index``)."""
     check_tensor("hidden", hidden, ndim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device,
                  shape=(None, hidden.shape[1]))
@@ -315,8 +317,16 @@ def check_linear_inputs(hidden, weight, labels, temperature, process_group):
 
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     vocab = weight.shape[0] * world
+    if ignore_index is not None:
+        ignore_index = check_int("ignore_index", ignore_index)
+    ignored = None
     if labels.numel():
         lo, hi = value_range(labels)
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"labels must lie in [0, V) = [0, {vocab}), got range [{lo}, {hi}]")
-    return rank * weight.shape[0], group_key(process_group)
+        if ignore_index is not None and lo <= ignore_index <= hi:
+            ignored = labels == ignore_index
+            if lo < 0 or hi >= vocab:  # the range without the ignored labels
+                lo, hi = value_range_except(labels, ignore_index)
+        if lo <= hi and (lo < 0 or hi >= vocab):
+            extra = f" (except ignore_index={ignore_index})" if ignore_index is not None else ""
+            raise ValueError(f"labels must lie in [0, V) = [0, {vocab}){extra}, got range [{lo}, {hi}]")
+    return rank * weight.shape[0], group_key(process_group), ignored

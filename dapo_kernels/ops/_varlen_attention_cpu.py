@@ -7,6 +7,10 @@ over sequences; on a 12-sequence 16..768-token mix it matched a per-sequence SDP
 3-4x faster than one padded call (benchmarks/bench_varlen_attention.py). The lse is in natural
 log units, the unit these kernels produce and consume. The backward of 16-bit inputs runs in
 float32 (see :func:`_bwd_torch`).
+
+A sliding window or soft-capping (which torch's fused kernel does not have) takes the same buckets
+through plain fp32 softmax attention instead, query rows in chunks so the score tile stays bounded
+(:func:`_fwd_math` / :func:`_bwd_math`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from .._registry import register
 # (padding costs at most this factor in length; fewer, bigger calls).
 _BUCKET_RATIO = 1.5
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Score elements per chunk of the math path (64 MiB of fp32 scores).
+_MATH_CHUNK = 1 << 24
 
 
 @per_tensor_cache  # once per batch, not per layer
@@ -77,14 +83,103 @@ def _key_padding_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
 
+def _math_chunks(valid: torch.Tensor, heads: int):
+    """Query-row slices of a bucket whose score tile ``[n, heads, rows, S]`` stays under _MATH_CHUNK."""
+    n, S = valid.shape
+    step = max(1, _MATH_CHUNK // max(n * heads * S, 1))
+    return [slice(r, min(r + step, S)) for r in range(0, S, step)]
+
+
+def _math_scores(q, k, valid, rows: slice, scale, window, softcap):
+    """fp32 (scores, tanh term) of query rows ``rows`` of a bucket, heads grouped as
+    ``[n, Hkv, G, rows, S]``, masked (padding keys, window) to -inf."""
+    S = valid.shape[1]
+    s = q[..., rows, :] @ k.transpose(-1, -2)[:, :, None]
+    if softcap:
+        t = torch.tanh(s * (scale / softcap))
+        s = softcap * t
+    else:
+        t, s = None, s * scale
+    left, right = window
+    i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
+    j = torch.arange(S, device=q.device)[None, :]
+    seen = (j >= i - left) & (j <= i + right) & valid[:, None, None, None, :]  # [n, 1, 1, rows, S]
+    return s.masked_fill(~seen, float("-inf")), t
+
+
+def _math_softmax(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over keys, 0 (not NaN) in padding rows that see no key. Normalised by the row sum as
+    torch's softmax is, not exp(s - lse): an fp32 lse ~10 would add ~10 ulp to every probability."""
+    return torch.softmax(s, -1).nan_to_num_(0.0)
+
+
+def _window(S: int, causal: bool, window_left: int, window_right: int):
+    """(left, right) within a bucket of length S; unbounded sides (-1) as S, causal right = 0."""
+    return (S if window_left < 0 else window_left), (0 if causal else (S if window_right < 0 else window_right))
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Padded ``[n, Hq, S, D]`` -> ``[n, Hkv, G, S, D]`` (query head h reads KV head h // G)."""
+    n, H, S, D = x.shape
+    return x.float().reshape(n, kv_heads, H // kv_heads, S, D)
+
+
+def _fwd_math(q, k, v, gather, valid, causal, scale, window_left, window_right, softcap):
+    """fp32 softmax attention of one bucket: (out [n, Hq, S, D], lse [n, Hq, S])."""
+    Hkv = k.shape[1]
+    qg = _grouped(_padded(q, gather), Hkv)
+    kp, vp = (_padded(t, gather).float() for t in (k, v))
+    window = _window(valid.shape[1], causal, window_left, window_right)
+    outs, lses = [], []
+    for rows in _math_chunks(valid, q.shape[1]):
+        s, _ = _math_scores(qg, kp, valid, rows, scale, window, softcap)
+        outs.append(_math_softmax(s) @ vp[:, :, None])
+        lses.append(torch.logsumexp(s, -1))
+    return torch.cat(outs, 3).flatten(1, 2), torch.cat(lses, 3).flatten(1, 2)
+
+
+def _bwd_math(dout, q, k, v, gather, valid, causal, scale, window_left, window_right, softcap):
+    """fp32 gradients of one bucket (padded ``[n, H, S, D]``), the probabilities recomputed:
+    dS = P * (dP - rowsum(P * dP)) as torch's softmax backward (rowsum(dO * O) would carry O's
+    rounding to the input dtype), times 1 - tanh^2 under soft-capping. Padding rows have dO = 0."""
+    Hkv = k.shape[1]
+    qg, dog = (_grouped(_padded(t, gather, valid), Hkv) for t in (q, dout))
+    kp, vp = (_padded(t, gather).float() for t in (k, v))
+    window = _window(valid.shape[1], causal, window_left, window_right)
+    dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kp), torch.zeros_like(vp)
+    for rows in _math_chunks(valid, q.shape[1]):
+        s, t = _math_scores(qg, kp, valid, rows, scale, window, softcap)
+        p = _math_softmax(s)
+        dp = dog[..., rows, :] @ vp[:, :, None].transpose(-1, -2)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        dq[..., rows, :] = ds @ kp[:, :, None] * scale
+        dk += (ds.transpose(-1, -2) @ qg[..., rows, :]).sum(2) * scale
+        dv += (p.transpose(-1, -2) @ dog[..., rows, :]).sum(2)
+    return dq.flatten(1, 2), dk, dv
+
+
+def _plain(window_left: int, window_right: int, softcap: float, causal: bool) -> bool:
+    """No window and no soft-capping: torch's fused kernel serves."""
+    return window_left < 0 and (causal or window_right < 0) and not softcap
+
+
 @register("varlen_attention_fwd", "torch")
-def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1,
+               softcap=0.0):
     T, Hq, _ = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     # Natural-log lse, the unit torch's CPU kernels produce and consume: converting would add
     # an fp32 rounding of a value ~10 to every probability the backward recomputes.
     lse_nat = empty_output((T, Hq), dtype=torch.float32, device=q.device)
+    plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
+        if not plain:
+            o, lse = _fwd_math(q, k, v, gather, valid, causal, softmax_scale, window_left, window_right, softcap)
+            _unpad_into(out, o, rows, slots)
+            _unpad_into(lse_nat, lse, rows, slots)
+            continue
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _padded(q, gather), _padded(k, gather), _padded(v, gather), 0.0, causal,
             attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
@@ -95,7 +190,8 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
 
 
 @register("varlen_attention_bwd", "torch")
-def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
+def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1,
+               window_right=-1, softcap=0.0, deterministic=True):
     # ``deterministic`` selects the Triton backward's dQ path; torch's CPU kernels have one.
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
@@ -108,7 +204,14 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
         # bound), and it is faster: fwd+bwd of bench_varlen_attention.py's batch went from
         # 122 to 52 ms in bf16, 584 to 50 ms in fp16 (1 thread; fp32 itself 47 ms).
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+    plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
+        if not plain:
+            bucket_grads = _bwd_math(dout, q, k, v, gather, valid, causal, softmax_scale, window_left, window_right,
+                                     softcap)
+            for dst, src in zip(grads, bucket_grads):
+                _unpad_into(dst, src, rows, slots)
+            continue
         # Padding rows get dO = 0 and lse = +inf, so their probabilities are exactly 0 and
         # they add nothing to dK/dV; padding slots' own gradients are dropped.
         bucket_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

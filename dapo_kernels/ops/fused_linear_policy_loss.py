@@ -15,12 +15,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .._registry import dispatch, register
-from .._validation import check_flag, check_float, check_tensor
+from .._validation import check_flag, check_float, check_mask, check_tensor
 from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
                          chunk_stats, grad_buffers, live_rows, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
 from .linear_log_probs import grads_triton, stats_triton
-from .policy_loss import (aggregation_weights, check_agg, check_clips, check_mask, metric_sums,
+from .policy_loss import (aggregation_weights, check_agg, check_clips, metric_sums,
                           metrics_from_counts, pg_token_terms)
 
 # Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
@@ -168,7 +168,7 @@ def _check_token_inputs(n: int, hidden, old_log_prob, advantages, response_mask,
         if t is not None or name != "old_log_prob":
             check_tensor(name, t, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
                          device=hidden.device, shape=(n,))
-    mask = check_mask("response_mask", response_mask, advantages)
+    mask = check_mask("response_mask", response_mask, device=advantages.device, shape=tuple(advantages.shape))
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
     if kl_coef and ref_log_prob is None:
@@ -202,18 +202,21 @@ def fused_linear_policy_loss(
     kl_type: str = "low_var_kl",
     process_group=None,
     calculate_entropy: bool = False,
+    ignore_index: Optional[int] = -100,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """lm_head -> log-prob -> DAPO loss in one op: ``pg_loss - entropy_coeff * agg(entropy) + kl_coef * agg(kl)``.
 
     ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``, ``temperature`` and ``process_group``
     as in :func:`linear_log_probs`; ``old_log_prob``, ``advantages``, ``ref_log_prob`` float
-    ``[N]``, ``response_mask`` bool/int ``[N]``; the loss arguments as in
+    ``[N]``, ``response_mask`` ``[N]`` (bool, integer or float 0 / 1, as in :func:`dapo_kernels.policy_loss`); the loss arguments as in
     :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
     kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
     ``old_log_prob=None`` is the on-policy update (one epoch over one mini-batch): the old
     log-probs are this forward's own, detached, so the ratio is exactly 1 and no separate
     log-prob pass is needed. ``calculate_entropy`` computes the entropy (for metrics) even when
-    ``entropy_coeff`` is 0.
+    ``entropy_coeff`` is 0. Tokens whose label is ``ignore_index`` (default -100; None: none) are
+    masked out as ``response_mask`` would (no loss, no gradient, not counted) and get ``log_prob``
+    and ``entropy`` 0.
 
     Returns ``loss`` (fp32 0-dim; gradients for ``hidden`` and ``weight``, computed during the
     forward when grad is enabled) and detached ``metrics``: ``pg_clipfrac``,
@@ -225,12 +228,14 @@ def fused_linear_policy_loss(
     token's inputs (or in ``weight``) gives a NaN loss; a masked token is selected away, so a NaN
     there reaches only its own ``log_prob`` / ``entropy`` metric, not the loss nor the gradients.
     """
-    vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
+    vocab_start, key, ignored = check_linear_inputs(hidden, weight, labels, temperature, process_group, ignore_index)
     n = hidden.shape[0]
     # Before the token inputs: kl_coef decides whether ref_log_prob is needed.
     entropy_coeff, kl_coef = (check_float(name, v, valid=math.isfinite, expected="finite")
                               for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)))
     mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
+    if ignored is not None:
+        labels, mask = labels.masked_fill(ignored, 0), mask & ~ignored
     clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_agg(loss_agg_mode, advantages, cu_seqlens)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
@@ -244,6 +249,8 @@ def fused_linear_policy_loss(
     sums, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, tokens, params, kl_type, vocab_start, key,
                                           entropy, compute_grad)
     metrics = metrics_from_counts(sums[2], sums[3], sums[4], sums[5])
+    if ignored is not None:
+        log_prob, ent = log_prob.masked_fill(ignored, 0.0), ent.masked_fill(ignored, 0.0)
     metrics.update(pg_loss=sums[1].detach().float(), log_prob=log_prob.detach())
     if entropy:
         metrics["entropy"] = ent.detach()

@@ -355,6 +355,7 @@ def linear_log_probs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     process_group=None,
+    ignore_index: Optional[int] = -100,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of ``labels`` under ``softmax(hidden @ weight.T / temperature)``, without ``[N, V]``.
 
@@ -362,12 +363,14 @@ def linear_log_probs(
         hidden: ``[N, H]`` fp16/bf16/fp32 (packed tokens).
         weight: ``[V, H]`` lm_head, same dtype; with ``process_group``, this rank's vocab shard
             (Megatron vocab-parallel: rank ``r`` holds rows ``[r*V, (r+1)*V)`` of the full head).
-        labels: ``[N]`` int64 (or int32) token ids in ``[0, V_total)``.
+        labels: ``[N]`` int64 (or int32) token ids in ``[0, V_total)``, or ``ignore_index``.
         temperature: logits are divided by it (> 0).
         return_entropy: also return the entropy of the distribution.
         process_group: optional ``torch.distributed`` group over which ``weight`` is sharded by
             vocab; the results equal the unsharded ones. ``hidden``'s gradient is all-reduced
             over the group (do not add a Megatron copy-to-TP-region on top).
+        ignore_index: label of tokens to skip (default -100, as transformers and Liger; None:
+            none): their ``log_prob`` and ``entropy`` are 0 and they add nothing to the gradients.
 
     Returns:
         ``log_prob`` fp32 ``[N]`` and ``entropy`` fp32 ``[N]`` (or None), from fp32-accumulated
@@ -378,7 +381,11 @@ def linear_log_probs(
     gradients are both zero adds nothing to ``dH`` / ``dW``, so a token masked away downstream
     cannot poison them.
     """
-    vocab_start, key = check_linear_inputs(hidden, weight, labels, temperature, process_group)
+    vocab_start, key, ignored = check_linear_inputs(hidden, weight, labels, temperature, process_group, ignore_index)
+    if ignored is not None:
+        labels = labels.masked_fill(ignored, 0)  # any in-range id: the outputs are zeroed below
     log_prob, ent, _ = _linear_log_probs_op(hidden, weight, labels, float(temperature), bool(return_entropy),
                                                vocab_start, key)
+    if ignored is not None:  # zeroed outputs pass no gradient back: the op's backward skips those rows
+        log_prob, ent = log_prob.masked_fill(ignored, 0.0), ent.masked_fill(ignored, 0.0)
     return log_prob, (ent if return_entropy else None)

@@ -21,7 +21,7 @@ import triton.language as tl
 from .._alloc import cpu_bulk_output, empty_output
 from .._cache import per_tensor_cache
 from .._registry import dispatch, register
-from .._validation import INT_DTYPES, check_int, check_tensor, cu_seqlens_boundaries
+from .._validation import check_int, check_mask, check_tensor, cu_seqlens_boundaries
 from ._triton_utils import cdiv, next_pow2
 
 # Elements per program: a [rows, BLOCK_F] tile of 8192 (32 per thread over 8 warps: 64 registers
@@ -198,10 +198,10 @@ def _packed_position_ids_torch(cu_seqlens: torch.Tensor, total_tokens: int) -> t
 
 # --------------------------------------------------------------------------- public API
 def _check_mask(name: str, mask, x: torch.Tensor) -> torch.Tensor:
-    check_tensor(name, mask, ndim=2, dtypes=(torch.bool,) + INT_DTYPES, device=x.device)
+    check_tensor(name, mask, ndim=2)
     if tuple(mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"{name} must have shape [B, S] = {list(x.shape[:2])} (x.shape[:2]), got {list(mask.shape)}")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return check_mask(name, mask, device=x.device)
 
 
 def unpad_input(
@@ -214,8 +214,8 @@ def unpad_input(
     Args:
         hidden_states: ``[B, S, *]``, any dtype (floats, and integer ids such as
             ``input_ids.unsqueeze(-1)``).
-        attention_mask: ``[B, S]`` bool or integer, nonzero = token; any pattern (right or
-            left padding, holes, empty rows).
+        attention_mask: ``[B, S]`` bool, integer (nonzero = token) or float 0 / 1 (other values
+            rejected on the device); any pattern (right or left padding, holes, empty rows).
         unused_mask: optional ``[B, S]``, tokens that are allocated but not attended to
             (flash-attn's meaning): packed and counted in ``cu_seqlens`` but not in ``seqused``.
 

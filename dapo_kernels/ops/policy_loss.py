@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import (FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_float, check_float_or_tensor,
+from .._validation import (FLOAT_DTYPES, check_cu_seqlens, check_float, check_float_or_tensor, check_mask,
                            check_tensor)
 from ._triton_utils import cdiv
 
@@ -302,12 +302,6 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_s
 
 
 # --------------------------------------------------------------------------- public API
-def check_mask(name: str, mask, like: torch.Tensor) -> torch.Tensor:
-    """bool/integer mask of ``like``'s shape -> bool (nonzero = token)."""
-    check_tensor(name, mask, dtypes=(torch.bool,) + INT_DTYPES, device=like.device, shape=tuple(like.shape))
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
 def check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> Tuple[float, float, float]:
     return (check_float("clip_ratio_low", clip_ratio_low, valid=lambda v: 0.0 <= v < 1.0, expected="in [0, 1)"),
             check_float("clip_ratio_high", clip_ratio_high, valid=lambda v: v >= 0.0, expected=">= 0"),
@@ -353,7 +347,8 @@ def policy_loss(
         log_prob, old_log_prob, advantages: float (fp16/bf16/fp32/fp64) ``[B, T]``, or packed
             ``[N]``; all the same shape. The per-token math and the sums run in fp64
             (whatever the input dtype); the loss and the metrics are returned as fp32.
-        response_mask: bool or integer, same shape, nonzero = token in the loss.
+        response_mask: same shape; bool, integer (nonzero = token in the loss) or float 0 / 1
+            (verl's float mask; other values are rejected on the device, not used as weights).
         clip_ratio_low / clip_ratio_high: ratio clipped to ``[1 - low, 1 + high]``.
         clip_ratio_c: dual-clip bound (> 1) for negative advantages.
         loss_agg_mode: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
@@ -380,7 +375,7 @@ def policy_loss(
     check_tensor("log_prob", log_prob, ndim=(1, 2), dtypes=FLOAT_DTYPES)
     for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
         check_tensor(name, t, dtypes=FLOAT_DTYPES, device=log_prob.device, shape=tuple(log_prob.shape))
-    mask = check_mask("response_mask", response_mask, log_prob)
+    mask = check_mask("response_mask", response_mask, device=log_prob.device, shape=tuple(log_prob.shape))
     clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_agg(loss_agg_mode, log_prob, cu_seqlens)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,

@@ -29,8 +29,9 @@ from .._validation import check_cu_seqlens, check_flag, check_float, check_int, 
 from . import _varlen_attention_cpu  # noqa: F401  (registers the torch path)
 from ._triton_utils import INTERPRET, cdiv
 
-# Head dims the kernels are tested with; others are refused at the boundary.
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+# Head dims: any multiple of 8 up to 256 (Llama 128, Phi 80, Gemma 256, ...). The kernels run the
+# next power-of-two block (BLOCK_D >= 16, tl.dot's minimum) with the columns past D masked.
+SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Exponentials run in base 2 (one MUFU ex2 each): the softmax scale is folded with log2(e)
 # (the kernels keep scores and lse in base-2 units throughout; see _varlen_attention_fwd).
@@ -93,6 +94,8 @@ _GPU_TILES = {
     ("dq", 80, 4): _F32_DQ,
 }
 _GPU_TILES.update({("dkdv_dq", a, s): t for (k, a, s), t in list(_GPU_TILES.items()) if k == "dkdv"})  # TODO tune
+# The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
+TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # LPT order of the work lists; False keeps (sequence, block) order (GPU check compares).
 _LONGEST_FIRST = True
 _ARCH_FAMILY = {}
@@ -106,9 +109,15 @@ def _arch_family() -> int:
     return _ARCH_FAMILY[device]
 
 
+def _tile_dim(head_dim: int) -> int:
+    """The _GPU_TILES row of a head dim: the smallest tabled one >= it (same BLOCK_D; 96 is
+    tabled apart from 128 because ptxas allocates them differently)."""
+    return next(d for d in TILE_HEAD_DIMS if d >= head_dim)
+
+
 def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
     """(outer block, ((inner block, warps, stages), ...)) of ``kernel`` for these inputs on this GPU."""
-    return _GPU_TILES[kernel, _arch_family(), dtype.itemsize][head_dim]
+    return _GPU_TILES[kernel, _arch_family(), dtype.itemsize][_tile_dim(head_dim)]
 
 
 def _inner_configs(kernel: str, name: str):
@@ -138,6 +147,12 @@ def _outer_block(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
     return _OUTER_BLOCK_INTERPRET if INTERPRET else _tiles(kernel, dtype, head_dim)[0]
 
 
+def _atomic_dq_offered(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether dQ by atomics (deterministic=False) has a tile for these inputs on this GPU: where
+    none compiles without spills (_GPU_TILES has no "dkdv_dq" row), the dQ kernel runs instead."""
+    return INTERPRET or _tile_dim(head_dim) in _GPU_TILES["dkdv_dq", _arch_family(), dtype.itemsize]
+
+
 # --------------------------------------------------------------------------- kernels
 @triton.jit
 def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
@@ -160,13 +175,56 @@ def _finite_or_zero(x):
 
 
 @triton.jit
-def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale,
-               MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _tanh(x):
+    """fp32 tanh without libdevice (the interpreter has none): an odd Taylor polynomial for
+    |x| < 0.4, where 1 - 2 / (e^2x + 1) would lose x's leading digits to cancellation (the
+    polynomial's first omitted term is < 1e-8 relative there), that form beyond. NaN stays NaN."""
+    x2 = x * x
+    b_poly = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * (-0.008863235529902197
+                                                               + x2 * 0.003592128036572481))))))
+    b_big = 1.0 - 2.0 / (tl.exp2(tl.abs(x) * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    return tl.where(tl.abs(x) < 0.4, b_poly, tl.where(x < 0, -b_big, b_big))
+
+
+@triton.jit
+def _scores(b_qk, qk_scale, cap, SOFTCAP: tl.constexpr):
+    """(base-2 scores, tanh term) of raw dot products. Without SOFTCAP ``qk_scale`` is
+    scale * log2(e); with it (flash-attn / Gemma 2: softcap * tanh(scale * q.k / softcap))
+    ``qk_scale`` is scale / softcap and ``cap`` softcap * log2(e), and the tanh term is what
+    the backward's chain rule needs (1 - t^2)."""
+    if SOFTCAP:
+        b_t = _tanh(b_qk * qk_scale)
+        return cap * b_t, b_t
+    else:
+        return b_qk * qk_scale, b_qk
+
+
+@triton.jit
+def _dsoftcap(b_ds, b_t, SOFTCAP: tl.constexpr):
+    """d(scores) -> d(uncapped scores): times d tanh = 1 - t^2 under SOFTCAP."""
+    if SOFTCAP:
+        b_ds = b_ds * (1.0 - b_t * b_t)
+    return b_ds
+
+
+@triton.jit
+def _in_window(o_q, o_k, win_left, win_right):
+    """Sliding window (flash-attn's window_size within one sequence): query i sees key j iff
+    i - left <= j <= i + right (causal: right = 0; unbounded sides arrive as >= the length)."""
+    return (o_k >= o_q - win_left) & (o_k <= o_q + win_right)
+
+
+@triton.jit
+def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale, cap, win_left, win_right,
+               MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, MASK_WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
                INTERPRET: tl.constexpr):
     """Online softmax over keys [lo, hi); score masks exist only in the diagonal / tail
-    instantiations (MASK_CAUSAL / MASK_LEN). Loads always predicate rows < L (one compare
-    per row), so no instantiation can read the next sequence."""
+    instantiations (MASK_CAUSAL / MASK_LEN) and the sliding-window one (MASK_WINDOW, which also
+    masks the length). Loads always predicate rows < L (one compare per row), so no
+    instantiation can read the next sequence."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
@@ -174,24 +232,33 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
         m_kv = (o_n < L)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
-        if MASK_CAUSAL:
+        if MASK_CAUSAL or MASK_WINDOW:
             b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
-        # Raw scores: the scale enters once per row through the max (qk_scale > 0, so
-        # max(s) * scale is the max of the scaled scores) and once per element inside exp2's
-        # argument, s * scale - m, one FMA. Scaling Q instead would round Q once more in 16 bits.
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        if MASK_CAUSAL:
+        # Without SOFTCAP the scores stay raw: the scale enters once per row through the max
+        # (qk_scale > 0, so max(s) * scale is the max of the scaled scores) and once per element
+        # inside exp2's argument, s * scale - m, one FMA (scaling Q instead would round Q once
+        # more in 16 bits). Soft-capped scores come scaled (b_scale = 1).
+        if SOFTCAP:
+            b_s, _ = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
+            b_scale = 1.0
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+            b_scale = qk_scale
+        if MASK_WINDOW:
+            b_s = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L),
+                           b_s, float("-inf"))
+        elif MASK_CAUSAL:
             b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
         elif MASK_LEN:
             b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
-        if MASK_CAUSAL or MASK_LEN:
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
+        if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
             # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
             # gives p = 0 and alpha = 0 rather than exp2(-inf + inf) = NaN.
             b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         else:
             b_shift = b_m_new
-        b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
+        b_p = tl.exp2(b_s * b_scale - b_shift[:, None])
         b_alpha = tl.exp2(b_m - b_shift)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         # P is rounded to the input dtype as flash attention does, then fed as DOT_T.
@@ -201,13 +268,14 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
     return b_acc, b_l, b_m
 
 
-@triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "DOT_T"],
+@triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
                  prune_configs_by=_prune("fwd", "BLOCK_N"))
 @triton.jit
 def _varlen_attention_fwd_kernel(
-    p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale,
+    p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (query block, query head) per program; the 1-D grid runs heads fastest over a
     work list sorted longest first, so the longest blocks of every head start first."""
@@ -233,21 +301,31 @@ def _varlen_attention_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if IS_CAUSAL:
+    if LOCAL:
+        # Sliding window: only the keys some row of the block can see, all masked.
+        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m,
+                                     tl.maximum(i_m * BLOCK_M - win_left, 0),
+                                     tl.minimum(i_m * BLOCK_M + BLOCK_M + win_right, L), L,
+                                     qk_scale, cap, win_left, win_right,
+                                     False, False, True, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+    elif IS_CAUSAL:
         # Keys before the block's first row are visible to every row and lie inside the
         # sequence: no score mask. Then the diagonal block, masked.
         diag = i_m * BLOCK_M
-        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, 0, diag, L, qk_scale,
-                                     False, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, 0, diag, L,
+                                     qk_scale, cap, win_left, win_right,
+                                     False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
         b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, diag,
-                                     tl.minimum(diag + BLOCK_M, L), L, qk_scale,
-                                     True, True, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+                                     tl.minimum(diag + BLOCK_M, L), L, qk_scale, cap, win_left, win_right,
+                                     True, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
     else:
         full = (L // BLOCK_N) * BLOCK_N
-        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, 0, full, L, qk_scale,
-                                     False, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
-        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, full, L, L, qk_scale,
-                                     False, True, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, 0, full, L,
+                                     qk_scale, cap, win_left, win_right,
+                                     False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+        b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, full, L, L,
+                                     qk_scale, cap, win_left, win_right,
+                                     False, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
 
     b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
     b_o = b_acc / b_l_safe[:, None]
@@ -261,26 +339,29 @@ def _varlen_attention_fwd_kernel(
 @triton.jit
 def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, T, Hq,
                                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] in fp32, over rows r = t * Hq + h."""
+    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32), over rows r = t * Hq + h."""
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < T * Hq
     m = m_r[:, None] & (o_d < HEAD_DIM)[None, :]
-    b_o = tl.load(p_o + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_do = tl.load(p_do + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1), mask=m_r)
+    # fp64 products and sum, rounded once: delta's error reaches dQ / dK as delta_err * sum_j p_j k_j,
+    # a term that does not cancel (it is ~0 in plain softmax backward, which sums p * dP from the
+    # same p), so it is kept to the rounding of O and of delta itself. Memory-bound: fp64 is free.
+    b_o = tl.load(p_o + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
+    b_do = tl.load(p_do + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
+    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1).to(tl.float32), mask=m_r)
 
 
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L, qk_scale,
-                sm_scale, MASK_CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                sm_scale, cap, win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr,
+                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
     score mask needed for the length. ``ATOMIC_DQ``: also add this key block's share of dQ,
-    dS @ K, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
+    dS @ K * scale, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_M):
@@ -289,21 +370,26 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q,
         m_q = m_row[:, None] & m_d[None, :]
         b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
         b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
-        if MASK_CAUSAL:
+        if MASK_CAUSAL or MASK_WINDOW:
             b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
         b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
-        b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * qk_scale - b_lse[None, :])
-        if MASK_CAUSAL:
-            b_pt = tl.where(o_m[None, :] >= o_n[:, None], b_pt, 0.0)
+        b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
+        b_pt = tl.exp2(b_st - b_lse[None, :])
+        if MASK_WINDOW:
+            m_att = _in_window(o_m[None, :], o_n[:, None], win_left, win_right)
+        else:
+            m_att = o_m[None, :] >= o_n[:, None]
+        if MASK_CAUSAL or MASK_WINDOW:
+            b_pt = tl.where(m_att, b_pt, 0.0)
         b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
-        b_dst = b_pt * (b_dpt - b_delta[None, :])
-        if MASK_CAUSAL:  # a query's NaN lse / delta must not reach the keys it does not attend
-            b_dst = tl.where(o_m[None, :] >= o_n[:, None], b_dst, 0.0)
+        b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]), b_tt, SOFTCAP)
+        if MASK_CAUSAL or MASK_WINDOW:  # a query's NaN lse / delta must not reach the keys it does not attend
+            b_dst = tl.where(m_att, b_dst, 0.0)
         b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
         b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
-        if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed when causal: see the kernel)
+        if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
             b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
             tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
@@ -311,14 +397,16 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q,
 
 # reset_to_zero: timing a config adds into the dQ buffer (ATOMIC_DQ); the autotuner zeroes it
 # before each timed run and before the run that counts.
-@triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"), key=["HEAD_DIM", "IS_CAUSAL", "ATOMIC_DQ", "DOT_T"],
+@triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"),
+                 key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "ATOMIC_DQ", "DOT_T"],
                  prune_configs_by=_prune("dkdv", "BLOCK_M"), reset_to_zero=["p_dq"])
 @triton.jit
 def _varlen_attention_bwd_dkdv_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_dq, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
+    cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dK, dV of one (key block, KV head): loops over the GROUP query heads sharing the KV
     head and over their query blocks, summing in registers; one writer per element, so
@@ -343,8 +431,8 @@ def _varlen_attention_bwd_dkdv_kernel(
     m_kv = (o_n < L)[:, None] & (o_d < HEAD_DIM)[None, :]
     o_kv = (bos + o_n)[:, None] * stride_kv + i_hk * HEAD_DIM + o_d[None, :]
     b_k = tl.load(p_k + o_kv, mask=m_kv, other=0.0).to(DOT_T)
-    if IS_CAUSAL and ATOMIC_DQ:
-        # dQ += dS @ K over the diagonal tile reaches queries that do not attend every key of the
+    if (IS_CAUSAL or LOCAL) and ATOMIC_DQ:
+        # dQ += dS @ K over a masked tile reaches queries that do not attend every key of the
         # block: a non-finite key would make their zero dS NaN. Zeroed once here (not per tile,
         # which would keep a second K tile live): such a key's own dK / dV rows change from NaN to
         # finite, and the op marks them NaN anyway (its own query attends it and is marked).
@@ -362,22 +450,30 @@ def _varlen_attention_bwd_dkdv_kernel(
         p_lseh = p_lse + i_h * T + bos
         p_deltah = p_delta + i_h * T + bos
         p_dqh = p_dq + bos * stride_q + i_h * HEAD_DIM
-        if IS_CAUSAL:
+        if LOCAL:  # sliding window: the queries that see some key of the block, all masked
             b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
-                                     lo, mid, L, qk_scale, sm_scale, True, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                     DOT_T, PREC, INTERPRET)
-        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
-                                 mid, L, L, qk_scale, sm_scale, False, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                 DOT_T, PREC, INTERPRET)
+                                     tl.maximum(i_n * BLOCK_N - win_right, 0),
+                                     tl.minimum(i_n * BLOCK_N + BLOCK_N + win_left, L), L,
+                                     qk_scale, sm_scale, cap, win_left, win_right, False, True, SOFTCAP, ATOMIC_DQ,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+        else:
+            if IS_CAUSAL:
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q,
+                                         o_n, lo, mid, L, qk_scale, sm_scale, cap, win_left, win_right, True, False,
+                                         SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                                     mid, L, L, qk_scale, sm_scale, cap, win_left, win_right, False, False,
+                                     SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
     tl.store(p_dk + o_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET), mask=m_kv)
     tl.store(p_dv + o_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET), mask=m_kv)
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale,
-              MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale, cap,
+              win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, MASK_WINDOW: tl.constexpr,
+              SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
-               INTERPRET: tl.constexpr):
+              INTERPRET: tl.constexpr):
     """Accumulate dQ of one query block over keys [lo, hi) (keys past the end read 0 and
     would get p = exp2(-lse) != 0, hence the MASK_LEN score mask on the tail)."""
     o_d = tl.arange(0, BLOCK_D)
@@ -387,26 +483,31 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi,
         m_kv = (o_n < L)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
-        if MASK_CAUSAL:
+        if MASK_CAUSAL or MASK_WINDOW:
             b_k, b_v = _finite_or_zero(b_k), _finite_or_zero(b_v)
-        b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale - b_lse[:, None])
-        if MASK_CAUSAL:
+        b_s, b_t = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
+        b_p = tl.exp2(b_s - b_lse[:, None])
+        if MASK_WINDOW:
+            b_p = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L), b_p, 0.0)
+        elif MASK_CAUSAL:
             b_p = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_p, 0.0)
         elif MASK_LEN:
             b_p = tl.where(o_n[None, :] < L, b_p, 0.0)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_ds = _dsoftcap(b_p * (b_dp - b_delta[:, None]), b_t, SOFTCAP)
         b_dq += tl.dot(_cast(b_ds, p_k.dtype.element_ty, INTERPRET).to(DOT_T), b_k, input_precision=PREC)
     return b_dq
 
 
-@triton.autotune(configs=_inner_configs("dq", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "DOT_T"],
+@triton.autotune(configs=_inner_configs("dq", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
                  prune_configs_by=_prune("dq", "BLOCK_N"))
 @triton.jit
 def _varlen_attention_bwd_dq_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_cu, p_work, T, Hq, GROUP, qk_scale, sm_scale,
+    cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dQ of one (query block, query head), recomputing P from the saved lse: two extra
     matmuls instead of an fp32 atomic dQ buffer (deterministic, no zero-init, no cast)."""
@@ -435,19 +536,27 @@ def _varlen_attention_bwd_dq_kernel(
     b_lse = tl.load(p_lse + o_stat, mask=m_row, other=float("inf"))
     b_delta = tl.load(p_delta + o_stat, mask=m_row, other=0.0)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if IS_CAUSAL:
+    if LOCAL:
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m,
+                         tl.maximum(i_m * BLOCK_M - win_left, 0), tl.minimum(i_m * BLOCK_M + BLOCK_M + win_right, L),
+                         L, qk_scale, cap, win_left, win_right,
+                         False, False, True, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+    elif IS_CAUSAL:
         diag = i_m * BLOCK_M
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, diag, L, qk_scale,
-                         False, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, diag, L,
+                         qk_scale, cap, win_left, win_right,
+                         False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, diag,
-                         tl.minimum(diag + BLOCK_M, L), L, qk_scale, True, True, HEAD_DIM, BLOCK_D, BLOCK_N,
-                         DOT_T, PREC, INTERPRET)
+                         tl.minimum(diag + BLOCK_M, L), L, qk_scale, cap, win_left, win_right,
+                         True, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
     else:
         full = (L // BLOCK_N) * BLOCK_N
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, full, L, qk_scale,
-                         False, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, full, L, L, qk_scale,
-                         False, True, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, full, L,
+                         qk_scale, cap, win_left, win_right,
+                         False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, full, L, L,
+                         qk_scale, cap, win_left, win_right,
+                         False, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
     tl.store(p_dq + o_q, _cast(b_dq * sm_scale, p_dq.dtype.element_ty, INTERPRET), mask=m_q)
 
 
@@ -485,8 +594,19 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _mask_args(T: int, causal: bool, window_left: int, window_right: int, softmax_scale: float, softcap: float):
+    """Runtime scalars and constexprs of the score math: (qk_scale, cap, left, right) and LOCAL /
+    SOFTCAP. Unbounded window sides (-1) become T + 1, beyond any key; causal sets right = 0."""
+    left = T + 1 if window_left < 0 else window_left
+    right = 0 if causal else (T + 1 if window_right < 0 else window_right)
+    local = window_left >= 0 or (not causal and window_right >= 0)
+    if softcap > 0:
+        return (softmax_scale / softcap, softcap * _LOG2E, left, right), dict(LOCAL=local, SOFTCAP=True)
+    return (softmax_scale * _LOG2E, 1.0, left, right), dict(LOCAL=local, SOFTCAP=False)
+
+
 @register("varlen_attention_fwd", "triton")
-def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
+def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right, softcap):
     q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
@@ -495,9 +615,10 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
         return out, lse
     block = _outer_block("fwd", q.dtype, D)
     work = _work_list(cu_seqlens, T, block, causal, False)
+    scalars, flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
     _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
-        q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], softmax_scale * _LOG2E,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **_dtype_meta(q.dtype),
+        q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], *scalars,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype),
     )
     return out, lse
 
@@ -512,7 +633,8 @@ def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 @register("varlen_attention_bwd", "triton")
-def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
+def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right,
+                softcap, deterministic=True):
     dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -522,9 +644,10 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     if T == 0:
         return dq, dk, dv
     delta = _launch_delta(out, dout)
-    meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **_dtype_meta(q.dtype))
-    scales = (softmax_scale * _LOG2E, softmax_scale)
-    atomic = not deterministic
+    (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
+    meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
+    scales = (qk_scale, softmax_scale, *masking)
+    atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
     dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
               ).zero_() if atomic else dq
@@ -550,18 +673,23 @@ def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x).all(-1)
 
 
-def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, keys: bool) -> torch.Tensor:
+def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, window_left: int, window_right: int,
+               keys: bool) -> torch.Tensor:
     """bool ``[T, H]``: the queries that attend a key flagged in ``flag [T, H]`` or, with ``keys``, the
-    keys that a flagged query attends; within each sequence, causal: key ``j <= `` query ``i``.
-    Prefix counts on the device, no host sync."""
+    keys that a flagged query attends; within each sequence, query ``i`` attends key ``j`` iff
+    ``i - left <= j <= i + right`` (causal: right = 0; -1 = unbounded). Prefix counts on the
+    device, no host sync."""
     T = flag.shape[0]
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
     t = torch.arange(T, device=flag.device)
     start = torch.repeat_interleave(cu[:-1], lens, output_size=T)
     end = torch.repeat_interleave(cu[1:], lens, output_size=T)
-    lo = t if causal and keys else start
-    hi = t + 1 if causal and not keys else end
+    left = T if window_left < 0 else window_left
+    right = 0 if causal else (T if window_right < 0 else window_right)
+    before, after = (right, left) if keys else (left, right)  # a key is attended by i in [j - right, j + left]
+    lo = torch.maximum(start, t - before)
+    hi = torch.minimum(end, t + after + 1)
     count = torch.nn.functional.pad(torch.cumsum(flag, 0, dtype=torch.int32), (0, 0, 1, 0))  # flagged rows < t
     return count[hi] > count[lo]
 
@@ -570,7 +698,8 @@ def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, keys:
 @torch.library.custom_op("dapo::varlen_attention_fwd", mutates_args=())
 def _varlen_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-    max_seqlen: int, causal: bool, softmax_scale: float, deterministic: bool = True,
+    max_seqlen: int, causal: bool, softmax_scale: float, window_left: int = -1, window_right: int = -1,
+    softcap: float = 0.0, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
 
@@ -583,15 +712,20 @@ def _varlen_attention_fwd(
 
     NaN in, NaN out, whatever the backend's block sizes: the rows of ``out`` and ``lse`` of a
     query whose ``q``, or the ``k`` / ``v`` of a key it attends, hold a NaN or inf are NaN, and
-    no other (the backends read such values as 0 where a query does not attend them)."""
-    out, lse = dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
-    attends_bad = _attending(_nonfinite_rows(k) | _nonfinite_rows(v), cu_seqlens, causal, keys=False)
+    no other (the backends read such values as 0 where a query does not attend them).
+
+    ``window_left`` / ``window_right`` (-1: unbounded) and ``softcap`` (0: none) as flash-attn's."""
+    window = (window_left, window_right)
+    out, lse = dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale,
+                                                          *window, softcap)
+    attends_bad = _attending(_nonfinite_rows(k) | _nonfinite_rows(v), cu_seqlens, causal, *window, keys=False)
     poisoned = _nonfinite_rows(q) | attends_bad.repeat_interleave(q.shape[1] // k.shape[1], 1)
     return out.masked_fill_(poisoned[..., None], float("nan")), lse.masked_fill_(poisoned.t(), float("nan"))
 
 
 @_varlen_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
+def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+      deterministic=True):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -599,7 +733,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True
 def _varlen_attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, softmax_scale: float,
-    deterministic: bool = True,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head.
     ``deterministic=False`` lets the Triton backend add dQ with fp32 atomics (faster, last bits
@@ -608,26 +742,29 @@ def _varlen_attention_bwd(
     A query whose ``lse`` is NaN (the forward's mark of a non-finite input it depends on) or whose
     ``dout`` holds a NaN or inf gets NaN ``dq``, and the keys it attends NaN ``dk`` / ``dv``; nothing
     else does (the backends read non-finite values as 0 where they are not attended)."""
+    window = (window_left, window_right)
     dq, dk, dv = dispatch("varlen_attention_bwd", q.device)(
-        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic
+        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, *window, softcap, deterministic
     )
     T, Hq, _ = q.shape
     bad = lse.isnan().t() | _nonfinite_rows(dout)
-    keys = _attending(bad.reshape(T, k.shape[1], Hq // k.shape[1]).any(-1), cu_seqlens, causal, keys=True)
+    keys = _attending(bad.reshape(T, k.shape[1], Hq // k.shape[1]).any(-1), cu_seqlens, causal, *window,
+                      keys=True)
     return (dq.masked_fill_(bad[..., None], float("nan")), dk.masked_fill_(keys[..., None], float("nan")),
             dv.masked_fill_(keys[..., None], float("nan")))
 
 
 @_varlen_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, deterministic=True):
+def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1,
+      softcap=0.0, deterministic=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, *deterministic = inputs
+    q, k, v, cu_seqlens, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.args = (max_seqlen, causal, softmax_scale, *deterministic)
+    ctx.args = tuple(args)
     ctx.backend = current_backend(q.device)  # lse's unit depends on it
     ctx.mark_non_differentiable(lse)
 
@@ -636,7 +773,7 @@ def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     with use_backend(ctx.backend):
         dq, dk, dv = _varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (1 + len(ctx.args))
 
 
 _varlen_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -653,13 +790,26 @@ def _check_qkv(q, k, v) -> None:
     if k.shape[1] == 0 or Hq % k.shape[1] != 0:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({k.shape[1]})")
     if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+        raise ValueError(f"head dim D must be a multiple of 8 in [8, 256], got {D}")
 
 
 def _check_scale(softmax_scale, head_dim: int) -> float:
     scale = check_float("softmax_scale", softmax_scale, valid=lambda v: math.isfinite(v) and v > 0,
                         expected="a finite positive number", or_none=True)
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def check_window(window_size) -> Tuple[int, int]:
+    """flash-attn's ``window_size = (left, right)``: two ints, each -1 (unbounded) or >= 0."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    left, right = (check_int(f"window_size[{i}]", w, minimum=-1) for i, w in enumerate(window_size))
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    return check_float("softcap", softcap, valid=lambda v: math.isfinite(v) and v >= 0,
+                       expected="finite and >= 0 (0: no soft-capping)")
 
 
 def varlen_attention(
@@ -672,6 +822,8 @@ def varlen_attention(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     deterministic: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention inside each packed sequence (flash-attn ``flash_attn_varlen_func`` semantics).
@@ -687,13 +839,19 @@ def varlen_attention(
         causal: query ``i`` attends keys ``j <= i`` of its own sequence (default), else all
             keys of its sequence.
         softmax_scale: scale of ``q @ k^T``; default ``1 / sqrt(D)``.
-        return_lse: also return the log-sum-exp (natural log) of the scaled scores.
+        return_lse: also return the log-sum-exp (natural log) of the scaled (and capped) scores.
+        window_size: ``(left, right)`` sliding window (flash-attn's, Mistral / Qwen2 / Gemma 2):
+            query ``i`` attends keys ``j`` of its sequence with ``i - left <= j <= i + right``;
+            -1 = unbounded on that side; with ``causal`` the right side is 0 whatever is given.
+        softcap: logit soft-capping (flash-attn's, Gemma 2): scores become
+            ``softcap * tanh(softmax_scale * q.k / softcap)``; 0 = off.
         deterministic: flash-attn's flag, same default. ``False``: the Triton backward adds dQ
-            with fp32 atomics inside the dK/dV kernel (5 matmuls per tile pair, not 7); its
-            last bits may differ between runs. ``True``: a separate dQ kernel, bitwise
-            reproducible. The torch (CPU) path is deterministic either way.
+            with fp32 atomics inside the dK/dV kernel (5 matmuls per tile pair, not 7; where the
+            GPU has no spill-free tile for that, the dQ kernel runs anyway); its last bits may
+            differ between runs. ``True``: a separate dQ kernel, bitwise reproducible. The
+            torch (CPU) path is deterministic either way.
 
-    ``D`` must be one of ``SUPPORTED_HEAD_DIMS`` = (16, 32, 64, 96, 128, 256).
+    ``D`` must be a multiple of 8 up to 256 (``SUPPORTED_HEAD_DIMS``).
 
     Returns:
         ``out [T, Hq, D]`` in ``q``'s dtype; with ``return_lse``, ``(out, lse)`` with ``lse``
@@ -715,11 +873,13 @@ def varlen_attention(
     max_seqlen = check_int("max_seqlen", max_seqlen, minimum=0)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
-    deterministic = check_flag("deterministic", deterministic)
     scale = _check_scale(softmax_scale, q.shape[2])
+    window = check_window(window_size)
+    softcap = check_softcap(softcap)
+    deterministic = check_flag("deterministic", deterministic)
     out, lse = _varlen_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.to(torch.int32).contiguous(),
-        max_seqlen, causal, scale, deterministic,
+        max_seqlen, causal, scale, *window, softcap, deterministic,
     )
     if not return_lse:
         return out

@@ -16,8 +16,13 @@ def varlen_attention_ref(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     compute_dtype: torch.dtype = torch.float64,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, D], lse [Hq, T])`` computed in ``compute_dtype`` (differentiable).
+
+    ``window_size = (left, right)``: query ``i`` sees keys ``i - left .. i + right`` (-1: unbounded;
+    causal: right = 0). ``softcap > 0``: scores ``softcap * tanh(scores / softcap)``.
 
     With the default float64 it is the accuracy reference; with the inputs' own dtype it
     is "plain torch in that dtype", whose error sets the tests' tolerance.
@@ -35,9 +40,16 @@ def varlen_attention_ref(
         ks = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)   # [Hq, L, D]
         vs = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
         scores = (qs @ ks.transpose(1, 2)) * scale
-        if causal:
-            hidden = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(hidden, float("-inf"))
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        i = torch.arange(e - s, device=q.device)[:, None]
+        j = torch.arange(e - s, device=q.device)[None, :]
+        hidden = j > i if causal else torch.zeros_like(j > i)
+        if window_size[0] >= 0:
+            hidden = hidden | (j < i - window_size[0])
+        if window_size[1] >= 0:
+            hidden = hidden | (j > i + window_size[1])
+        scores = scores.masked_fill(hidden, float("-inf"))
         lses.append(torch.logsumexp(scores, dim=-1))
         outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
     return torch.cat(outs), torch.cat(lses, dim=1)

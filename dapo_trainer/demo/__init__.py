@@ -14,6 +14,7 @@ from .arithmetic import TaskConfig
 from .assets import DemoAssets, DemoConfig, build_demo
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
+DIALOG_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "dialog_demo.yaml")
 
 __all__ = ["run_demo", "DEFAULT_CONFIG", "read_metrics", "DemoConfig", "TaskConfig", "build_demo", "DemoAssets"]
 
@@ -28,7 +29,7 @@ def read_metrics(run_dir: str) -> List[dict]:
 
 def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: str = ".cache/dapo_demo",
              run_dir: str = "runs/demo/seed0", overrides: Sequence[str] = (),
-             demo_config: Optional[DemoConfig] = None, progress: bool = True) -> dict:
+             demo_config=None, progress: bool = True, task: str = "sort") -> dict:
     """Warm-start (cached) and train with DAPO; returns before/after held-out accuracy.
 
     Returns ``{"before", "after", "metrics" (the trainer's last step), "assets", "built"}``;
@@ -38,8 +39,14 @@ def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: s
     from ..config import load_config
     from ..trainer import DAPOTrainer
 
-    demo_config = demo_config or DemoConfig(seed=seed)
-    assets = build_demo(demo_config, cache_dir=cache_dir, progress=progress)
+    if task == "dialog":  # the order-status desk (demo/dialog.py)
+        from .dialog import DialogDemoConfig, build_dialog_demo
+
+        assets = build_dialog_demo(demo_config or DialogDemoConfig(seed=seed), cache_dir=cache_dir, progress=progress)
+    elif task == "sort":
+        assets = build_demo(demo_config or DemoConfig(seed=seed), cache_dir=cache_dir, progress=progress)
+    else:
+        raise ValueError(f"task must be 'sort' or 'dialog', got {task!r}")
     cfg = load_config(config, [
         f"actor_rollout_ref.model.path={assets.model_dir}",
         f"data.train_files=[{assets.train_file}]",

@@ -21,15 +21,18 @@ from typing import List, Optional
 
 import torch
 
-from . import DEFAULT_CONFIG, run_demo
+from . import DEFAULT_CONFIG, DIALOG_CONFIG, run_demo
 
 
 def parse_args(argv: Optional[List[str]] = None):
     p = argparse.ArgumentParser(prog="python -m dapo_trainer.demo", description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0, help="task, warm start and RL seed (default 0)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="trainer YAML (default: configs/demo.yaml)")
-    p.add_argument("--cache-dir", default=".cache/dapo_demo", help="where the warm-started model is cached")
-    p.add_argument("--run-dir", default="runs/demo", help="run directory root (one sub-directory per seed)")
+    p.add_argument("--task", choices=("sort", "dialog"), default="sort",
+                   help="sort: the single-turn digit task; dialog: the multi-turn order-status desk")
+    p.add_argument("--config", default=None,
+                   help="trainer YAML (default: configs/demo.yaml, or configs/dialog_demo.yaml for --task dialog)")
+    p.add_argument("--cache-dir", default=None, help="where the warm-started model is cached")
+    p.add_argument("--run-dir", default=None, help="run directory root (one sub-directory per seed)")
     p.add_argument("--resume", action="store_true", help="continue the seed's last run instead of starting afresh")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.add_argument("--threads", type=int, default=1,
@@ -43,17 +46,20 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    run_dir = os.path.join(args.run_dir, f"seed{args.seed}")
+    dialog = args.task == "dialog"
+    run_dir = os.path.join(args.run_dir or ("runs/demo_dialog" if dialog else "runs/demo"), f"seed{args.seed}")
     if not args.resume and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
-    result = run_demo(seed=args.seed, config=args.config, cache_dir=args.cache_dir, run_dir=run_dir,
-                      overrides=args.overrides)
+    result = run_demo(seed=args.seed, config=args.config or (DIALOG_CONFIG if dialog else DEFAULT_CONFIG),
+                      cache_dir=args.cache_dir or (".cache/dapo_demo_dialog" if dialog else ".cache/dapo_demo"),
+                      run_dir=run_dir, overrides=args.overrides, task=args.task)
     if not args.no_report:
         from ..report import write_report
 
         print(f"report: {write_report(run_dir)}")
     print(f"wall time: {time.time() - t0:.0f} s (warm start {'built' if result['built'] else 'cached'})")
-    print(f"held-out accuracy: before {100 * result['before']:.1f}% -> after {100 * result['after']:.1f}%")
+    what = "held-out dialogue success" if dialog else "held-out accuracy"
+    print(f"{what}: before {100 * result['before']:.1f}% -> after {100 * result['after']:.1f}%")
     return result
 
 

@@ -148,15 +148,17 @@ def _pack(examples: List[tuple]):
     """Pack ``(prompt_ids, answer_ids)`` pairs; return inputs, cu_seqlens, max_seqlen, and the
     positions whose *next* token is an answer token with those next tokens (the labels)."""
     ids, lens, pos, labels = [], [], [], []
-    for p, a in examples:
+    for p, a, *mask in examples:
         start = len(ids)
         seq = p + a
         ids += seq
         lens.append(len(seq))
-        # Token seq[i] is predicted from position i - 1.
+        # Token seq[i] is predicted from position i - 1; an optional third item masks answer tokens
+        # out (a dialogue's environment turns are context, not targets).
         for i in range(len(p), len(seq)):
-            pos.append(start + i - 1)
-            labels.append(seq[i])
+            if not mask or mask[0][i - len(p)]:
+                pos.append(start + i - 1)
+                labels.append(seq[i])
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
     return (torch.tensor(ids), cu, max(lens), torch.tensor(pos), torch.tensor(labels))
@@ -165,7 +167,8 @@ def _pack(examples: List[tuple]):
 def warm_start(model: Transformer, encoded: List[tuple], cfg: DemoConfig, progress: bool = True) -> List[float]:
     """Supervised next-token training on the answers (prompt tokens are context only).
 
-    ``encoded``: ``(prompt_ids, answer_ids + [eos])`` pairs. AdamW with a cosine schedule;
+    ``encoded``: ``(prompt_ids, answer_ids + [eos])`` pairs, or triples with a per-answer-token
+    bool mask of the tokens to learn. AdamW with a cosine schedule;
     returns the loss per step.
     """
     from tqdm import tqdm

@@ -12,7 +12,7 @@ Typical multi-node setup (launched by ``torchrun``)::
 # does, must not import parallel.tensor, which imports the model.
 _EXPORTS = {
     "apply_ddp": "data", "apply_fsdp": "data", "balanced_dp_split": "data", "global_mean_scale": "data",
-    "backend_for_device": "dist", "init_distributed": "dist", "make_mesh": "dist",
+    "collective_device": "collectives", "backend_for_device": "dist", "init_distributed": "dist", "make_mesh": "dist",
     "ColumnParallelLinear": "tensor", "RowParallelLinear": "tensor", "VocabParallelEmbedding": "tensor",
     "full_state_dict": "tensor", "parallelize": "tensor", "tp_shard_dims": "tensor", "unshard": "tensor",
 }
@@ -24,6 +24,7 @@ __all__ = [
     "balanced_dp_split",
     "global_mean_scale",
     "backend_for_device",
+    "collective_device",
     "init_distributed",
     "make_mesh",
     "full_state_dict",

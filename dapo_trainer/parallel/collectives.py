@@ -9,6 +9,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# The collective backend of each device type; :func:`collective_device` reads it backwards.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def collective_device(group=None) -> torch.device:
+    """The device whose tensors ``group``'s backend takes: this process's current CUDA device
+    for nccl, its NPU for hccl, the CPU for gloo.
+
+    Every tensor handed to a collective must live there (NCCL rejects CPU tensors), so
+    tensors built on the host for a reduction go through ``.to(collective_device(group))``.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    for dev_type, name in BACKENDS.items():
+        if name == backend:
+            if dev_type == "cpu":
+                return torch.device("cpu")
+            return torch.device(dev_type, getattr(torch, dev_type).current_device())
+    raise ValueError(f"group: no device known for the collective backend {backend!r} "
+                     f"(known: {sorted(BACKENDS.values())})")
+
 
 class _CopyToTP(torch.autograd.Function):
     """Identity forward, all-reduce backward: the replicated input of a column-parallel op."""

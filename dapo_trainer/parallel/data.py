@@ -15,6 +15,7 @@ from torch import nn
 import dapo_kernels as dk
 
 from ..model import Transformer
+from .collectives import collective_device
 
 
 def _as_mesh(mesh_or_group, device_type: str):
@@ -80,9 +81,7 @@ def global_mean_scale(local_count, group=None) -> float:
     ``local_count`` (int or scalar tensor) is summed over ``group`` (one all-reduce);
     the factor undoes the averaging FSDP / DDP apply to gradients.
     """
-    t = torch.as_tensor(local_count, dtype=torch.float64).reshape(1)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
+    t = torch.as_tensor(local_count, dtype=torch.float64).reshape(1).to(collective_device(group))
     dist.all_reduce(t, group=group)
     total = t.item()
     if total <= 0:

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+from .collectives import BACKENDS as _BACKENDS
+
 # The variable that restricts which accelerators a process sees (set per process by launchers).
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 

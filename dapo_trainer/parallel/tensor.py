@@ -12,8 +12,11 @@ lm_head                    weight sharded by vocab rows    vocabulary rows r (sa
                                                            embedding, so tying survives)
 =========================  ==============================  =====================================
 
-Each attention / MLP block then costs one all-reduce in forward and one in backward.
-Norms and residuals stay replicated; their gradients come out identical on every rank.
+Each attention / MLP block then costs one all-reduce in forward and one in backward, as
+Megatron's conjugate operators f / g: the block's input passes through ``copy_to_tp``
+(identity forward, all-reduce backward) once, shared by q/k/v (gate/up), and the row-parallel
+output through ``reduce_from_tp`` (all-reduce forward, identity backward). Norms and residuals
+stay replicated; their gradients come out identical on every rank.
 The vocabulary-parallel lm_head is consumed by ``dk.linear_log_probs(...,
 process_group=tp_group)`` (see :meth:`Transformer.log_probs`).
 """
@@ -50,16 +53,22 @@ class _Sharded(nn.Module):
 
 
 class ColumnParallelLinear(_Sharded):
-    """``y_r = x W_r^T + b_r``: this rank's slice of the output features."""
+    """``y_r = x W_r^T + b_r``: this rank's slice of the output features.
+
+    ``copy_input``: pass ``x`` through ``copy_to_tp`` here (all-reduce of its gradient in
+    backward); False when the enclosing block already did, once for all its column-parallel
+    linears (what :func:`parallelize` sets up).
+    """
 
     shard_dim = 0
 
-    def __init__(self, linear: nn.Linear, group):
+    def __init__(self, linear: nn.Linear, group, copy_input: bool = True):
         super().__init__(linear, group)
         self.bias = _shard(linear.bias, 0, group)
+        self.copy_input = copy_input
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        return F.linear(copy_to_tp(x, self.group) if self.copy_input else x, self.weight, self.bias)
 
 
 class RowParallelLinear(_Sharded):
@@ -93,6 +102,15 @@ class VocabParallelEmbedding(_Sharded):
 
 
 # --------------------------------------------------------------------------- parallelize
+def _copy_block_input(group):
+    """Forward pre-hook: the block's input (its first argument) through ``copy_to_tp``."""
+
+    def hook(module, args):
+        return (copy_to_tp(args[0], group), *args[1:])
+
+    return hook
+
+
 def parallelize(model: Transformer, tp_group) -> Transformer:
     """Shard ``model`` in place for tensor parallelism over ``tp_group``; returns it.
 
@@ -115,12 +133,13 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
         return model
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for lin in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, lin, ColumnParallelLinear(getattr(attn, lin), tp_group))
-        attn.o_proj = RowParallelLinear(attn.o_proj, tp_group)
-        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, tp_group)
-        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, tp_group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_group)
+        for block, cols, row in ((attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
+                                 (mlp, ("gate_proj", "up_proj"), "down_proj")):
+            for lin in cols:
+                setattr(block, lin, ColumnParallelLinear(getattr(block, lin), tp_group, copy_input=False))
+            setattr(block, row, RowParallelLinear(getattr(block, row), tp_group))
+            # One backward all-reduce per block (Megatron's f), not one per column-parallel linear.
+            block.register_forward_pre_hook(_copy_block_input(tp_group))
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_group)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -18,6 +18,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from dapo_kernels.validation import check_int
+
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
 
@@ -125,8 +127,9 @@ def pack_responses(responses: Sequence[Sequence[int]], log_probs: Sequence[Seque
 
 
 def check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                        max_model_len: int, vocab_size: int):
+                        max_model_len: int, vocab_size: int, prompt_offset: int = 0):
     """Validate ``generate``'s arguments; return ``(prompts as lists, stop ids tuple)``."""
+    check_int("prompt_offset", prompt_offset, minimum=0)
     if isinstance(prompt_ids, torch.Tensor) or not isinstance(prompt_ids, (list, tuple)):
         raise TypeError(f"prompt_ids must be a list of lists of ints, got {type(prompt_ids).__name__}")
     if len(prompt_ids) == 0:
@@ -166,7 +169,8 @@ class RolloutEngine:
     """Interface: ``generate`` samples, ``update_weights`` syncs the policy's weights."""
 
     def generate(self, prompt_ids: List[List[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()) -> RolloutOutput:
+                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
+                 prompt_offset: int = 0) -> RolloutOutput:
         raise NotImplementedError
 
     def update_weights(self, model) -> None:

@@ -9,7 +9,9 @@ they are a quarter of it.
 
 Randomness is counter-based: the uniform that draws the token of response ``k`` at step
 ``t`` is a hash of ``(seed, k, t)``, so a response depends on its seed and index only,
-not on batch composition or thread count, and a run is reproducible bit for bit.
+not on batch composition or thread count, and a run is reproducible bit for bit. ``k``
+counts in the whole generation batch (``prompt_offset``), so data-parallel ranks that each
+sample a share draw what one process sampling the batch draws.
 Tokens are drawn by inverse CDF from the temperature-scaled (and top-p filtered)
 distribution; see :mod:`.base` for the log-prob convention.
 """
@@ -41,10 +43,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def request_keys(seed: int, num: int) -> torch.Tensor:
-    """Per-response random keys ``[num]`` int64 for responses ``0..num-1`` under ``seed``."""
+def request_keys(seed: int, num: int, start: int = 0) -> torch.Tensor:
+    """Per-response random keys ``[num]`` int64 for responses ``start..start+num-1`` under ``seed``."""
     s = _mix32(torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.int64))
-    k = torch.arange(num, dtype=torch.int64)
+    k = torch.arange(start, start + num, dtype=torch.int64)
     return _mix32(_mix32(k ^ s[0]) ^ s[1])
 
 
@@ -170,8 +172,8 @@ class EmbeddedRollout(RolloutEngine):
 
     @torch.inference_mode()
     def generate(self, prompt_ids: List[List[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()
-                 ) -> RolloutOutput:
+                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
+                 prompt_offset: int = 0) -> RolloutOutput:
         """Sample ``n`` responses per prompt (see :mod:`.base` for the output and log-probs).
 
         Args:
@@ -182,12 +184,16 @@ class EmbeddedRollout(RolloutEngine):
             top_p: nucleus sampling mass in (0, 1].
             seed: int for a reproducible run; None draws one from torch's global generator.
             stop_token_ids: a response ends after sampling any of these (kept in it).
+            prompt_offset: index of ``prompt_ids[0]`` in the whole generation batch when this
+                call samples a share of it (data-parallel rollout): response ``k`` draws the
+                random stream of response ``prompt_offset * n + k`` of that batch, so shares
+                sampled apart equal the batch sampled at once.
         """
         model = self.model
         cfg = model.config
         prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                                             self.max_model_len, cfg.vocab_size)
-        keys = request_keys(_resolve_seed(seed), len(prompts) * n)
+                                             self.max_model_len, cfg.vocab_size, prompt_offset)
+        keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n)
         dev = model.lm_head.weight.device
         w_out = model.lm_head.weight.float()
         rec = _Recorder(len(keys), max_new_tokens, stops)
@@ -284,7 +290,8 @@ class EmbeddedRollout(RolloutEngine):
 @torch.inference_mode()
 def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_new_tokens: int,
                    temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
-                   stop_token_ids: Sequence[int] = (), max_model_len: Optional[int] = None) -> RolloutOutput:
+                   stop_token_ids: Sequence[int] = (), max_model_len: Optional[int] = None,
+                   prompt_offset: int = 0) -> RolloutOutput:
     """Reference sampler: every step re-runs the full packed forward of all live sequences.
 
     Same randomness and sampling rule as :class:`EmbeddedRollout`, so with the same seed
@@ -292,8 +299,8 @@ def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_
     """
     cfg = model.config
     prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                                         max_model_len or cfg.max_position_embeddings, cfg.vocab_size)
-    keys = request_keys(_resolve_seed(seed), len(prompts) * n)
+                                         max_model_len or cfg.max_position_embeddings, cfg.vocab_size, prompt_offset)
+    keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n)
     rec = _Recorder(len(keys), max_new_tokens, stops)
     seqs = [list(prompts[k // n]) for k in range(len(keys))]
     rows = torch.arange(len(keys))

@@ -18,8 +18,9 @@ vLLM applies top-p *before* it takes them, so with ``top_p < 1`` its log-probs a
 renormalised over the nucleus (each shifted by ``-log(nucleus mass)``); the embedded
 sampler's are not. DAPO samples with ``top_p = 1``, where the two agree.
 
-Seeds: prompt ``i`` gets the vLLM seed ``hash(seed, i)`` and its ``n`` samples
-``seed_i + j`` (vLLM's rule for ``n > 1``), so a run is reproducible; the random streams
+Seeds: prompt ``i`` of the generation batch (``prompt_offset`` + its index in a share) gets
+the vLLM seed ``hash(seed, i)`` and its ``n`` samples ``seed_i + j`` (vLLM's rule for
+``n > 1``), so a run is reproducible, however the batch is split; the random streams
 are vLLM's own, not the embedded sampler's. vLLM is imported here only, so the package
 works without it. Scripts that create this engine need an ``if __name__ == "__main__":``
 guard: vLLM's engine core starts in a spawned process.
@@ -110,18 +111,18 @@ class VLLMRollout(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: List[List[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()
-                 ) -> RolloutOutput:
+                 top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
+                 prompt_offset: int = 0) -> RolloutOutput:
         """Same contract as :meth:`EmbeddedRollout.generate` (log-probs: module docstring)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                                             self.max_model_len, self.vocab_size)
+                                             self.max_model_len, self.vocab_size, prompt_offset)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         # 31-bit seeds, spaced n apart per prompt by vLLM's seed + j child rule.
-        seeds = (request_keys(seed, len(prompts)) >> 1).tolist()
+        seeds = (request_keys(seed, len(prompts), start=prompt_offset) >> 1).tolist()
         # vLLM refuses n > 1 with greedy decoding; the n greedy responses are identical.
         copies, n_req = (n, 1) if temperature == 0 else (1, n)
         params = [SamplingParams(n=n_req, max_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),

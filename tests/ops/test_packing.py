@@ -177,7 +177,7 @@ def _bad_unpad_cases():
     x = torch.randn(2, 5, 3)
     yield "mask shape", (x, torch.ones(2, 4, dtype=torch.bool)), ValueError, "attention_mask must have shape"
     yield "mask rank", (x, torch.ones(10, dtype=torch.bool)), ValueError, "attention_mask must be 2-D"
-    yield "float mask", (x, torch.ones(2, 5)), ValueError, "attention_mask must have dtype"
+    yield "complex mask", (x, torch.ones(2, 5, dtype=torch.complex64)), ValueError, "attention_mask must have dtype"
     yield "mask device", (x, torch.ones(2, 5, dtype=torch.bool, device="meta")), ValueError, "attention_mask must be on cpu"
     yield "mask type", (x, [[1] * 5] * 2), TypeError, "attention_mask must be a torch.Tensor"
     yield "x rank", (torch.randn(5), torch.ones(1, 5, dtype=torch.bool)), ValueError, "hidden_states must be"

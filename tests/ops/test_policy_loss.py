@@ -129,7 +129,7 @@ def test_integer_mask_equals_bool_mask():
 
 @pytest.mark.parametrize("case,exc,kw", [
     ("shape-mismatch", ValueError, dict(old_log_prob=torch.zeros(2, 4))),
-    ("float-mask", ValueError, dict(response_mask=torch.ones(2, 3))),
+    ("complex-mask", ValueError, dict(response_mask=torch.ones(2, 3, dtype=torch.complex64))),
     ("int-log-prob", ValueError, dict(log_prob=torch.zeros(2, 3, dtype=torch.long))),
     ("not-a-tensor", TypeError, dict(advantages=[0.0, 1.0])),
     ("bad-mode", ValueError, dict(loss_agg_mode="seq-mean")),

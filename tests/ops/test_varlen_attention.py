@@ -17,7 +17,7 @@ import triton
 
 import dapo_kernels as dk
 import dapo_kernels.ops.varlen_attention as va
-from dapo_kernels.ops.varlen_attention import SUPPORTED_HEAD_DIMS, _work_list
+from dapo_kernels.ops.varlen_attention import _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
 
@@ -53,7 +53,7 @@ CASES = [
     (256, 2, 1, True, FP16, "mixed"),
     (256, 2, 2, False, BF16, "longshort"),
 ]
-assert {c[0] for c in CASES} == set(SUPPORTED_HEAD_DIMS)
+assert {c[0] for c in CASES} == {16, 32, 64, 96, 128, 256}
 assert {c[1] // c[2] for c in CASES} == {1, 2, 4, 8}
 
 
@@ -64,13 +64,13 @@ def _inputs(lengths, D, Hq, Hkv, dtype):
     return q, k, v, cu
 
 
-def _run(impl, q, k, v, cu, max_seqlen, causal, scale):
+def _run(impl, q, k, v, cu, max_seqlen, causal, scale, **kw):
     """``impl``: a backend name, or ``triton-deterministic`` (the Triton backward's dQ kernel
     instead of the default atomic dQ)."""
     name, _, det = impl.partition("-")
     with backend(name):
         out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True,
-                                       deterministic=bool(det))
+                                       deterministic=bool(det), **kw)
         dout = torch.randn_like(out)
         grads = _grads(out, q, k, v, dout)
     return out, lse, grads, dout
@@ -80,15 +80,16 @@ def _grads(out, q, k, v, dout):
     return torch.autograd.grad(out, (q, k, v), dout.to(out.dtype)) if out.numel() else (q * 0, k * 0, v * 0)
 
 
-def _ref(q, k, v, cu, causal, scale, dout, compute_dtype):
+def _ref(q, k, v, cu, causal, scale, dout, compute_dtype, **kw):
     """(out, lse, dq, dk, dv) of the plain softmax reference in ``compute_dtype``."""
-    out, lse = varlen_attention_ref(q, k, v, cu, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype)
+    out, lse = varlen_attention_ref(q, k, v, cu, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
+                                    **kw)
     return (out, lse) + _grads(out, q, k, v, dout)
 
 
-def _sdpa_padded(q, k, v, cu, causal, scale, dout):
+def _sdpa_padded(q, k, v, cu, causal, scale, dout, window=(-1, -1)):
     """(out, dq, dk, dv) of torch's fused SDPA on the zero-padded [B, H, S, D] batch with a
-    key-padding (and causal) mask, in the inputs' dtype: what a torch user runs."""
+    key-padding (and causal, and sliding-window) mask, in the inputs' dtype: what a torch user runs."""
     spans = [(s, e) for s, e in zip(cu.tolist()[:-1], cu.tolist()[1:]) if e > s]
     if not spans:
         out = q * 0
@@ -104,6 +105,10 @@ def _sdpa_padded(q, k, v, cu, causal, scale, dout):
     mask = (pos[None, :] < torch.tensor([e - s for s, e in spans])[:, None])[:, None, None, :]
     if causal:
         mask = mask & (pos[None, :] <= pos[:, None])
+    if window[0] >= 0:
+        mask = mask & (pos[None, :] >= pos[:, None] - window[0])
+    if window[1] >= 0 and not causal:
+        mask = mask & (pos[None, :] <= pos[:, None] + window[1])
     o = F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=scale, enable_gqa=True)
     out = torch.cat([o[i, :, : e - s].transpose(0, 1) for i, (s, e) in enumerate(spans)])
     return (out,) + _grads(out, q, k, v, dout)
@@ -123,15 +128,17 @@ def _sdpa_per_sequence(q, k, v, cu, causal, scale, dout):
     return (out,) + _grads(out, q, k, v, dout)
 
 
-def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64):
+def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64, window=(-1, -1)):
     """Plain torch in the inputs' dtype, for the tolerance: per quantity, the least accurate
     of torch's usual ways (naive softmax attention, flash-attn's test convention; fused SDPA
     on the padded batch and on each sequence alone, whose CPU kernel approximates exp in
     fp32 and whose rounding depends on the padded length). SDPA has no lse, so lse is
-    naive only."""
-    naive = _ref(q, k, v, cu, causal, scale, dout, q.dtype)
-    ways = (naive[:1] + naive[2:], _sdpa_padded(q, k, v, cu, causal, scale, dout),
-            _sdpa_per_sequence(q, k, v, cu, causal, scale, dout))
+    naive only. With a sliding ``window`` the padded SDPA gets it in its mask (the per-sequence
+    call has no mask)."""
+    naive = _ref(q, k, v, cu, causal, scale, dout, q.dtype, window_size=window)
+    ways = (naive[:1] + naive[2:], _sdpa_padded(q, k, v, cu, causal, scale, dout, window))
+    if window == (-1, -1):
+        ways += (_sdpa_per_sequence(q, k, v, cu, causal, scale, dout),)
     worse = [max(cands, key=lambda t, r=r: max_abs_err(t, r)) for cands, r in zip(zip(*ways), ref64[:1] + ref64[2:])]
     return (worse[0], naive[1]) + tuple(worse[1:])
 
@@ -155,6 +162,83 @@ def test_matches_reference(impl, D, Hq, Hkv, causal, dtype, kind):
     for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
         assert g.dtype == dtype
         assert_close_to_ref(g, r, t, name=name)
+
+
+# Issue 19: sliding window (flash-attn's window_size), soft-capping (Gemma 2) and head dims that
+# are multiples of 8 but not powers of two (the kernels mask the columns of the next block).
+# (D, Hq, Hkv, causal, dtype, lengths, window_size, softcap). Plain torch in the dtype for the
+# tolerance is the naive reference only: torch's SDPA has neither soft-capping nor windows.
+LOCAL_CASES = [
+    (80, 4, 2, True, BF16, "longshort", (9, -1), 0.0),     # Mistral-style causal window
+    (112, 2, 1, False, FP32, "mixed", (5, 3), 0.0),        # two-sided window
+    (40, 2, 2, False, FP16, "mixed", (-1, 4), 0.0),        # right side only
+    (8, 4, 1, True, FP32, "longshort", (1, -1), 0.0),      # each query sees itself and the one before
+    (160, 2, 2, True, BF16, "mixed", (-1, -1), 5.0),        # Gemma 2: causal + softcap
+    (192, 4, 2, False, FP32, "mixed", (-1, -1), 2.0),
+    (200, 2, 1, True, FP16, "tiny", (3, -1), 1.0),         # window + softcap together
+    (24, 4, 4, True, FP32, "longshort", (20, 7), 30.0),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "triton-deterministic"])
+@pytest.mark.parametrize(
+    "D,Hq,Hkv,causal,dtype,kind,window,softcap", LOCAL_CASES,
+    ids=[case_id(D=c[0], Hq=c[1], Hkv=c[2], causal=c[3], dtype=c[4], L=c[5], W="_".join(map(str, c[6])),
+                 cap=c[7]) for c in LOCAL_CASES],
+)
+def test_window_softcap_head_dims_match_reference(impl, D, Hq, Hkv, causal, dtype, kind, window, softcap):
+    lengths = _lengths(kind)
+    q, k, v, cu = _inputs(lengths, D, Hq, Hkv, dtype)
+    if softcap:  # scores well past the cap, so the tanh saturates for some keys
+        q = (q.detach() * 3).requires_grad_()
+    kw = dict(window_size=window, softcap=softcap)
+    out, lse, grads, dout = _run(impl, q, k, v, cu, max(lengths), causal, None, **kw)
+    ref = _ref(q, k, v, cu, causal, None, dout, torch.float64, **kw)
+    # Torch's error: its naive softmax, and without soft-capping (which SDPA lacks) also SDPA with
+    # the window in its mask. The flash-style backward computes delta = dO . O (O rounded): its
+    # rounding reaches dq as delta_err * sum_j p_j k_j, which no longer cancels when a query
+    # sees 2 keys (window (1, -1)); naive softmax's backward sums p * dP from the same p and
+    # lacks that term, so alone it understated what torch's own flash kernel does.
+    low = (_torch_in_dtype(q, k, v, cu, causal, None, dout, ref, window) if not softcap
+           else _ref(q, k, v, cu, causal, None, dout, dtype, **kw))
+    assert out.dtype == dtype and lse.shape == (Hq, q.shape[0])
+    for name, got, r, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + grads, ref, low):
+        assert_close_to_ref(got, r, t.float() if name == "lse" else t, name=name)
+
+
+def test_window_and_softcap_change_the_result():
+    """The options are not ignored: each one changes out (guards the comparisons above)."""
+    q, k, v, cu = _inputs([30, 7], 16, 2, 2, FP32)
+    for impl in ("torch", "triton"):
+        with backend(impl):
+            base = dk.varlen_attention(q, k, v, cu, 30)
+            assert not torch.allclose(dk.varlen_attention(q, k, v, cu, 30, window_size=(4, -1)), base)
+            assert not torch.allclose(dk.varlen_attention(q, k, v, cu, 30, softcap=0.5), base)
+            # A window at least as long as the sequence is no window; right is ignored when causal.
+            torch.testing.assert_close(dk.varlen_attention(q, k, v, cu, 30, window_size=(30, 3)), base)
+            # Window (0, 0): each query sees only its own key, so out = v (exactly one probability 1).
+            torch.testing.assert_close(dk.varlen_attention(q, k, v, cu, 30, causal=False, window_size=(0, 0)),
+                                       v.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nocausal"])
+def test_window_nan_reaches_only_the_queries_that_see_it(impl, causal):
+    """A NaN key poisons exactly the queries whose window holds it (and their keys' gradients)."""
+    q, k, v, cu = _inputs([24, 9], 16, 2, 1, FP32)
+    k = k.detach().clone()
+    k[10, 0, 3] = float("nan")
+    k.requires_grad_()
+    left, right = 3, 2
+    with backend(impl):
+        out = dk.varlen_attention(q, k, v, cu, 24, causal=causal, window_size=(left, right))
+        out.sum().backward()
+    i = torch.arange(q.shape[0])
+    hi = 10 + left
+    lo = 10 if causal else 10 - right
+    want = (i >= lo) & (i <= hi)
+    assert torch.equal(out.isnan().any(-1).any(-1), want)
+    assert torch.equal(q.grad.isnan().any(-1).any(-1), want)
 
 
 # flash-attn's accuracy rule (its varlen tests): the max error against the float32 reference
@@ -253,7 +337,8 @@ def test_gpu_tiles_cover_every_head_dim_and_nest():
         for arch in (90, 80):
             for dtype in va._DTYPES:
                 by_d = va._GPU_TILES[kernel, arch, dtype.itemsize]
-                assert set(SUPPORTED_HEAD_DIMS) <= set(by_d), (kernel, arch, dtype)
+                assert set(va.TILE_HEAD_DIMS) <= set(by_d), (kernel, arch, dtype)
+    assert all(va._tile_dim(d) >= d for d in va.SUPPORTED_HEAD_DIMS) and va.TILE_HEAD_DIMS[-1] == 256
     assert all(outer % inner == 0 for outer, inner in _TILE_PAIRS), _TILE_PAIRS
 
 
@@ -285,7 +370,8 @@ def _good():
 
 
 def _call(args):
-    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse", "deterministic") if n in args}
+    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse", "window_size", "softcap", "deterministic")
+          if n in args}
     return dk.varlen_attention(args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"], **kw)
 
 
@@ -297,8 +383,16 @@ BAD = [
     ("cu-dtype", lambda g: dict(cu_seqlens=g["cu_seqlens"].float()), ValueError, "cu_seqlens must have dtype"),
     ("cu-2d", lambda g: dict(cu_seqlens=g["cu_seqlens"][None]), ValueError, "cu_seqlens must be 1-D"),
     ("heads", lambda g: dict(q=torch.randn(5, 3, 32, dtype=BF16)), ValueError, "multiple of the KV heads"),
-    ("head-dim", lambda g: dict(q=torch.randn(5, 4, 48, dtype=BF16), k=torch.randn(5, 2, 48, dtype=BF16),
-                                v=torch.randn(5, 2, 48, dtype=BF16)), ValueError, "head dim D must be one of"),
+    ("head-dim", lambda g: dict(q=torch.randn(5, 4, 44, dtype=BF16), k=torch.randn(5, 2, 44, dtype=BF16),
+                                v=torch.randn(5, 2, 44, dtype=BF16)), ValueError, "head dim D must be a multiple of 8"),
+    ("head-dim-big", lambda g: dict(q=torch.randn(5, 4, 264, dtype=BF16), k=torch.randn(5, 2, 264, dtype=BF16),
+                                    v=torch.randn(5, 2, 264, dtype=BF16)), ValueError, "head dim D must be a multiple"),
+    ("window-type", lambda g: dict(window_size=4), TypeError, "window_size must be a"),
+    ("window-len", lambda g: dict(window_size=(1, 2, 3)), TypeError, "window_size must be a"),
+    ("window-neg", lambda g: dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] must be >= -1"),
+    ("window-float", lambda g: dict(window_size=(4, 1.5)), TypeError, r"window_size\[1\] must be an int"),
+    ("softcap-neg", lambda g: dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    ("softcap-nan", lambda g: dict(softcap=float("nan")), ValueError, "softcap must be finite"),
     ("q-dtype", lambda g: dict(q=g["q"].double()), ValueError, "q must have dtype"),
     ("kv-dtype", lambda g: dict(v=g["v"].half()), ValueError, "v must have dtype"),
     ("kv-shape", lambda g: dict(v=g["v"][:, :1]), ValueError, "v must have shape"),

@@ -139,11 +139,11 @@ def _float_leaves():
             continue
         tp = typing.get_type_hints(type(obj))[name]
         args = typing.get_args(tp)
-        if tp is float:
+        if tp is float or (typing.get_origin(tp) is typing.Union and float in args):  # float, Optional[float]
             yield key, f"{key}={{}}"
         elif typing.get_origin(tp) is list and args == (float,):
             yield f"{key}[0]", f"{key}=[{{}}, 0.5]"
-        elif any(typing.get_origin(a) is dict and typing.get_args(a)[1] is float for a in args):
+        elif any(typing.get_origin(a) is dict and typing.get_args(a)[1] is float for a in (*args, tp)):
             yield f"{key}.w", f"{key}={{{{w: {{}}}}}}"
 
 
@@ -154,7 +154,7 @@ def test_float_leaves_found():
     keys = {k for k, _ in FLOAT_LEAVES}
     assert {"actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.rollout.val_kwargs.temperature",
             "actor_rollout_ref.actor.optim.betas[0]", "algorithm.filter_groups.metric.w"} <= keys
-    assert len(keys) == 18
+    assert len(keys) == 20
 
 
 @pytest.mark.parametrize("bad", [".nan", ".inf", "-.inf", "nan"])

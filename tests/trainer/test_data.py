@@ -16,8 +16,8 @@ def test_jsonl_answer_and_gsm8k_final_answer(tmp_path):
     f = _jsonl(tmp_path / "a.jsonl", [{"prompt": "1+1=", "answer": 2, "data_source": "arithmetic"},
                                       {"prompt": "q", "answer": "3 apples + 4 = 7 apples\n#### 7"}])
     rows = load_rows(f)
-    assert rows == [{"prompt": "1+1=", "ground_truth": "2", "data_source": "arithmetic"},
-                    {"prompt": "q", "ground_truth": "7", "data_source": "unknown"}]
+    assert rows == [{"prompt": "1+1=", "ground_truth": "2", "data_source": "arithmetic", "extra_info": {}},
+                    {"prompt": "q", "ground_truth": "7", "data_source": "unknown", "extra_info": {}}]
 
 
 def test_parquet_verl_layout_with_chat_prompt(tmp_path):
@@ -30,7 +30,8 @@ def test_parquet_verl_layout_with_chat_prompt(tmp_path):
     ])
     pq.write_table(table, tmp_path / "d.parquet")
     (row,) = load_rows([str(tmp_path / "d.parquet")])
-    assert row == {"prompt": "Solve x", "ground_truth": "34", "data_source": "math_dapo"}
+    assert row == {"prompt": [{"role": "user", "content": "Solve x"}], "ground_truth": "34", "data_source": "math_dapo",
+                   "extra_info": {}}
 
 
 @pytest.mark.parametrize("recs,match", [

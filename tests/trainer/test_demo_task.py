@@ -115,3 +115,35 @@ def test_warm_start_targets_mix_conventions():
     assert warm_start_targets(train, DemoConfig(task=task, warm_start_descending=0.0)) == [p.answer for p in train]
     with pytest.raises(ValueError, match="warm_start_descending"):
         DemoConfig(warm_start_descending=1.5)
+
+
+def test_dialog_demo_env_and_warm_start_encoding_match_the_chat_template(tmp_path):
+    """The desk's environment semantics, and the warm start's hand-laid tokens are exactly what the
+    trainer's chat-template rendering produces (prompt, assistant turns, environment turns)."""
+    from dapo_trainer.data import load_tokenizer
+    from dapo_trainer.demo.dialog import ASK, OrderDeskEnv, _tokenizer, demonstration, encode_dialogue, sample_row
+
+    rng = random.Random(random.randrange(2**31))
+    _tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    env = OrderDeskEnv()
+    for _ in range(20):
+        row = sample_row(rng, 4)
+        row = {**row, "ground_truth": row["answer"]}
+        opening = env.reset(row)
+        msg, c = env.step(opening + [{"role": "assistant", "content": ASK}], row)
+        assert msg == {"role": "user", "content": row["extra_info"]["order_id"]} and c["correct"] == 0.0
+        hist = opening + [{"role": "assistant", "content": ASK}, msg]
+        assert env.step(hist + [{"role": "assistant", "content": f"is {row['answer']}"}], row) == \
+            (None, {"correct": 1.0, "acc": 1.0})
+        wrong = next(s for s in ("ok", "late", "lost", "held", "sent", "due") if s != row["answer"])
+        assert env.step(opening + [{"role": "assistant", "content": f"is {wrong}"}], row)[1]["correct"] == 0.0
+        for guess in (False, True):
+            turns = demonstration(row, guess, rng)
+            p, cont, mask = encode_dialogue(tok.tok, tok.eos_token_id, row, turns)
+            assert p == tok.encode(tok.render_chat(opening, add_generation_prompt=True), add_special_tokens=False)
+            full = tok.encode(tok.render_chat(opening + turns, add_generation_prompt=False), add_special_tokens=False)
+            # The template ends an environment turn with the next generation prompt, as the rollout does.
+            assert p + cont == full[:len(p + cont)] and len(full) >= len(p + cont)
+            learned = tok.decode([t for t, m in zip(cont, mask) if m])
+            assert learned == "".join(m["content"] for m in turns if m["role"] == "assistant")

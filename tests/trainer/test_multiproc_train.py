@@ -1,4 +1,5 @@
-"""torchrun with DP=2 and with TP=2 on two CPU processes (gloo) gives the losses of one process."""
+"""torchrun with DP=2 and with TP=2 on two CPU processes (gloo) gives the losses of one process;
+so does a two-node launch (two torchrun launchers on this machine, one process each)."""
 import os
 import subprocess
 import sys
@@ -19,12 +20,24 @@ COMPARED = ["actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfr
             "critic/rewards/mean", "train/kept_groups"]
 
 
-def _torchrun(overrides, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "dapo_trainer.train", *overrides]
+def _torchrun(overrides, timeout=240, nodes=1):
+    """2 processes: one launcher with 2, or ``nodes=2`` launchers with 1 each, meeting at a
+    rendezvous endpoint as real nodes do (node ranks given, static rendezvous)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if nodes == 1:
+        launchers = [["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]]
+    else:
+        endpoint = f"localhost:{free_port()}"
+        launchers = [["--nnodes", str(nodes), "--node_rank", str(r), "--nproc_per_node", "1",
+                      "--rdzv_endpoint", endpoint] for r in range(nodes)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, "-m", "dapo_trainer.train",
+                               *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for args in launchers]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    # Rank 0 alone prints the final metrics: one world of 2, not two worlds of 1.
+    assert sum('"actor/pg_loss"' in out for out, _ in outs) == 1, [out[-500:] for out, _ in outs]
 
 
 @pytest.mark.multiproc
@@ -33,9 +46,10 @@ def test_dp2_and_tp2_match_single_process(tmp_path):
     DAPOTrainer(load_config(overrides=base)).fit()
     single = read_metrics(str(tmp_path / "run"))
     assert [m["step"] for m in single] == [1, 2]
-    for name, extra in (("dp2", []), ("tp2", ["actor_rollout_ref.actor.tensor_model_parallel_size=2"])):
+    for name, extra, nodes in (("dp2", [], 1), ("tp2", ["actor_rollout_ref.actor.tensor_model_parallel_size=2"], 1),
+                               ("2nodes", [], 2)):
         run_dir = tmp_path / name
-        _torchrun(base + [f"trainer.default_local_dir={run_dir}"] + extra)
+        _torchrun(base + [f"trainer.default_local_dir={run_dir}"] + extra, nodes=nodes)
         lines = read_metrics(str(run_dir))
         assert [m["step"] for m in lines] == [1, 2], name
         for ref, got in zip(single, lines):

@@ -268,3 +268,25 @@ def test_make_rollout_bad_config(model):
     eng = make_rollout(TrainerConfig(), model)
     with pytest.raises(ValueError, match="max_model_len=12"):
         eng.generate([[1] * 5], 1, 8)
+
+
+def test_shares_with_prompt_offset_sample_what_the_whole_batch_samples(model, engine):
+    """Data-parallel rollout: shares of a generation batch, each sampled with its
+    ``prompt_offset``, give the responses and log-probs of the batch sampled at once."""
+    prompts, n = random_prompts(5), 3
+    whole = engine.generate(prompts, n, 8, seed=11)
+    # Log-probs: computed in batches of other sizes, so equal up to fp32 rounding. Yardstick: the
+    # teacher-forced packed recomputation (dk.varlen_attention has no float64); the shares'
+    # deviation from it may be at most 2x the whole batch's.
+    ref, *_ = recomputed_log_probs(model, whole, 1.0)
+    bound = 2 * (whole.log_probs - ref).abs().max()
+    for sampler in (engine.generate, lambda *a, **k: naive_generate(engine.model, *a, **k)):
+        parts = [sampler(prompts[lo:hi], n, 8, seed=11, prompt_offset=lo) for lo, hi in ((0, 2), (2, 3), (3, 5))]
+        assert torch.equal(torch.cat([p.response_ids for p in parts]), whole.response_ids)
+        err = (torch.cat([p.log_probs for p in parts]) - ref).abs().max()
+        assert err <= bound, f"{err:.2e} > {bound:.2e}"
+        assert sum((p.finish_reasons for p in parts), []) == whole.finish_reasons
+    # Without the offset a share would redraw the first prompts' streams.
+    assert not torch.equal(engine.generate(prompts[2:3], n, 8, seed=11).response_ids, parts[1].response_ids)
+    with pytest.raises(ValueError, match="prompt_offset must be >= 0"):
+        engine.generate(prompts, n, 8, seed=11, prompt_offset=-1)

@@ -23,6 +23,9 @@ def per_tensor_cache(fn: Callable) -> Callable:
     entries: Dict[int, tuple] = {}
 
     def slot(t: torch.Tensor):
+        # Under torch.compile the tensor is a fake one of this trace: nothing to remember it by.
+        if torch.compiler.is_compiling():
+            return None
         try:
             version = t._version
         except RuntimeError:  # an inference-mode tensor has no version counter: nothing to key on

@@ -16,6 +16,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def tracing() -> bool:
+    """True while ``torch.compile`` traces the op (no values to read: checks that read values are
+    made on the device with ``torch._assert_async`` instead, a ``RuntimeError`` naming the argument)."""
+    return torch.compiler.is_compiling()
+
+
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
@@ -177,11 +183,19 @@ def check_cu_seqlens(cu_seqlens, total_tokens: int, *, name: str = "cu_seqlens",
 
     Expected: int32 (or int64) 1-D ``[B+1]``, ``cu_seqlens[0] == 0``, non-decreasing,
     ``cu_seqlens[-1] == total_tokens``. Reading the tensor costs one host sync the first time a
-    given tensor (at a given version) is checked; later checks of it read nothing.
+    given tensor (at a given version) is checked; later checks of it read nothing. Under
+    ``torch.compile`` the values are checked on the device (:func:`tracing`).
     """
     check_tensor(name, cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must have at least one element (B+1 with B >= 0), got 0")
+    if tracing():
+        c = cu_seqlens.long()
+        torch._assert_async(c[0] == 0, f"{name}[0] must be 0 (checked on the device)")
+        torch._assert_async((c[1:] >= c[:-1]).all(), f"{name} must be non-decreasing (checked on the device)")
+        torch._assert_async(c[-1] == total_tokens,
+                            f"{name}[-1] must equal the number of tokens (checked on the device)")
+        return cu_seqlens.numel() - 1
     first, last, bad = cu_seqlens_boundaries(cu_seqlens)
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")

@@ -39,7 +39,8 @@ def main() -> None:
         t_peer = _best_ms(lambda: x.reshape(B * S, H)[mask.flatten().nonzero().flatten()])
         rows.append((f"B{B} S{S} H{H} {pad_side}-pad", xu.shape[0], 100 * (1 - xu.shape[0] / (B * S)), max_seqlen,
                      int(pos.max()) + 1, exact, t_ours, t_peer))
-    hdr = f"{'batch':28s} {'tokens':>8s} {'padding':>8s} {'max_len':>8s} {'pos_max+1':>9s} {'exact':>6s} {'unpad ms':>9s} {'nonzero ms':>10s}"
+    hdr = (f"{'batch':28s} {'tokens':>8s} {'padding':>8s} {'max_len':>8s} {'pos_max+1':>9s} {'exact':>6s} "
+           f"{'unpad ms':>9s} {'nonzero ms':>10s}")
     print(hdr)
     print("-" * len(hdr))
     for name, nnz, padp, mx, pmax, exact, t1, t2 in rows:

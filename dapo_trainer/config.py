@@ -33,6 +33,8 @@ from dapo_kernels.validation import check_float
 from .rollout.base import RolloutConfig
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+# Other spellings of a field, per section: {section class name: {alias: field}}.
+ALIASES = {"ActorConfig": {"sp_size": "ulysses_sequence_parallel_size"}}
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 
@@ -65,6 +67,9 @@ class DataConfig:
 class ModelSection:
     path: str = ""
     enable_gradient_checkpointing: bool = False
+    # Checkpointed layers' inputs wait in host memory between forward and backward
+    # (dapo_trainer.offload; needs enable_gradient_checkpointing).
+    enable_activation_offload: bool = False
     # Parameter dtype for training: "float32" | "bfloat16" | "float16".
     dtype: str = "float32"
 
@@ -115,8 +120,11 @@ class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy update."""
 
     strategy: str = "ddp"  # "ddp" (gradient all-reduce) | "fsdp2"
-    # Megatron-style tensor parallel size of the training model; DP = world / TP.
+    # Megatron-style tensor parallel size of the training model; DP = world / (TP x SP).
     tensor_model_parallel_size: int = 1
+    # DeepSpeed-Ulysses: ranks that split each micro-batch's tokens (alias ``sp_size``);
+    # ppo_max_token_len_per_gpu stays per rank, a micro-batch holds up to SP times as many.
+    ulysses_sequence_parallel_size: int = 1
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: float = 3.0
@@ -362,7 +370,9 @@ def _set(obj, path: List[str], value, full_key: str, seen: Optional[set] = None)
     ``seen``: the leaf keys this mapping has set so far; setting one again (``a.b: 1`` and
     ``a: {b: 2}`` in one file) is a duplicate key.
     """
-    name = path[0]
+    name = ALIASES.get(type(obj).__name__, {}).get(path[0], path[0])
+    if name != path[0]:  # one canonical spelling, so that an alias and its field count as one key
+        full_key = full_key[:len(full_key) - len(".".join(path))] + ".".join([name, *path[1:]])
     if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
         raise _unknown_key(full_key)
     tp = _hints(type(obj))[name]
@@ -488,6 +498,7 @@ def validate(cfg: Config) -> Config:
                    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
                    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
                    ("actor_rollout_ref.actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
+                   ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", a.ulysses_sequence_parallel_size),
                    ("data.val_batch_size", d.val_batch_size), ("trainer.total_training_steps", cfg.trainer.total_training_steps),
                    ("trainer.max_nonfinite_steps", cfg.trainer.max_nonfinite_steps)):
         _require(v >= 1, key, f"must be >= 1, got {v}")
@@ -495,10 +506,12 @@ def validate(cfg: Config) -> Config:
              f"must be >= 1, got {d.gen_batch_size}")
     _require(d.train_batch_size % a.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
              f"must divide data.train_batch_size ({d.train_batch_size}), got {a.ppo_mini_batch_size}")
-    _require(not a.use_dynamic_bsz or a.ppo_max_token_len_per_gpu >= d.max_prompt_length + d.max_response_length,
+    # An SP group shares a micro-batch: it holds SP x the per-rank cap.
+    sp = a.ulysses_sequence_parallel_size
+    _require(not a.use_dynamic_bsz or a.ppo_max_token_len_per_gpu * sp >= d.max_prompt_length + d.max_response_length,
              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-             f"must hold the longest sequence, data.max_prompt_length + data.max_response_length = "
-             f"{d.max_prompt_length + d.max_response_length}, got {a.ppo_max_token_len_per_gpu}")
+             f"times ulysses_sequence_parallel_size ({sp}) must hold the longest sequence, data.max_prompt_length + "
+             f"data.max_response_length = {d.max_prompt_length + d.max_response_length}, got {a.ppo_max_token_len_per_gpu}")
     _require(d.truncation in ("error", "left", "right"), "data.truncation",
              f"must be 'error', 'left' or 'right', got {d.truncation!r}")
     _require("{prompt}" in d.prompt_template, "data.prompt_template", "must contain '{prompt}'")
@@ -508,6 +521,18 @@ def validate(cfg: Config) -> Config:
              f"must be one of {KL_TYPES}, got {a.kl_loss_type!r}")
     _require(a.strategy in ("ddp", "fsdp2"), "actor_rollout_ref.actor.strategy",
              f"must be 'ddp' or 'fsdp2', got {a.strategy!r}")
+    sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    _require(a.ulysses_sequence_parallel_size == 1 or a.tensor_model_parallel_size == 1, sp_key,
+             f"sequence parallelism ({a.ulysses_sequence_parallel_size}) with tensor parallelism "
+             f"(actor_rollout_ref.actor.tensor_model_parallel_size={a.tensor_model_parallel_size}) is not "
+             "supported; use one of them")
+    # Each SP rank aggregates the loss of its token shard: only token-additive modes stay exact.
+    _require(a.ulysses_sequence_parallel_size == 1 or a.loss_agg_mode in ("token-mean", "token-sum"), sp_key,
+             f"sequence parallelism supports loss_agg_mode token-mean or token-sum, got {a.loss_agg_mode!r}")
+    m_cfg = cfg.actor_rollout_ref.model
+    _require(not m_cfg.enable_activation_offload or m_cfg.enable_gradient_checkpointing,
+             "actor_rollout_ref.model.enable_activation_offload",
+             "offloads the checkpointed layers' inputs: set actor_rollout_ref.model.enable_gradient_checkpointing=true")
     _require(len(a.optim.betas) == 2, "actor_rollout_ref.actor.optim.betas", f"must hold 2 floats, got {a.optim.betas}")
     _require(cfg.actor_rollout_ref.model.dtype in ("float32", "bfloat16", "float16"), "actor_rollout_ref.model.dtype",
              f"must be float32, bfloat16 or float16, got {cfg.actor_rollout_ref.model.dtype!r}")

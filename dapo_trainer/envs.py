@@ -22,7 +22,6 @@ conversation, so it must keep no per-conversation state outside ``history``.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from typing import Dict, List, Mapping, Optional, Tuple

@@ -2,8 +2,8 @@
 
 One plain model file in the spirit of gpt-fast: parameter names follow Hugging Face
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ...) so checkpoints map one to one
-(:mod:`dapo_trainer.hf_io`), and tensor / data parallelism are applied afterwards by
-functions in :mod:`dapo_trainer.parallel` that swap modules in place.
+(:mod:`dapo_trainer.hf_io`), and tensor / sequence / data parallelism are applied afterwards by
+functions in :mod:`dapo_trainer.parallel` that swap modules in place or set their groups.
 
 Every activation is packed: ``T`` tokens of ``B`` sequences laid end to end, described
 by ``cu_seqlens [B+1]`` int32 (flash-attn's varlen convention). Nothing is padded, so
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -23,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 import dapo_kernels as dk
 from dapo_kernels.validation import INT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
-from .parallel.collectives import copy_to_tp, gather_from_tp
+from .offload import offload_scope
+from .parallel.collectives import copy_to_tp, gather_from_tp, heads_to_seq, seq_to_heads, sequence_shards
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -153,15 +155,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=cfg.o_bias)
+        self.sp_group = None  # set by dapo_trainer.parallel.apply_sequence_parallel
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int, seq_shards=None):
         T, D = x.shape[0], self.head_dim
         # Head counts come from the weight shapes: under tensor parallelism each rank
         # holds a contiguous slice of q heads and the kv heads they read.
         q = apply_rope(self.q_proj(x).view(T, -1, D), cos, sin)
         k = apply_rope(self.k_proj(x).view(T, -1, D), cos, sin)
         v = self.v_proj(x).view(T, -1, D)
+        if seq_shards is not None:
+            # Ulysses: this rank's tokens of every head -> every token of this rank's heads, so
+            # attention sees whole sequences (cu_seqlens is the whole micro-batch's).
+            q, k, v = (seq_to_heads(t, self.sp_group, seq_shards) for t in (q, k, v))
         o = dk.varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=D ** -0.5)
+        if seq_shards is not None:
+            o = heads_to_seq(o, self.sp_group, seq_shards)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -188,8 +197,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int, seq_shards=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, seq_shards)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -202,7 +211,11 @@ class Transformer(nn.Module):
     :meth:`log_probs` (fused, never materialising ``[T, V]``) or :meth:`logits`.
 
     Attributes set by :mod:`dapo_trainer.parallel`: ``tp_group`` (None when not tensor
-    parallel). ``activation_checkpointing`` recomputes each layer in backward.
+    parallel), ``sp_group`` (None when not sequence parallel; else :meth:`forward` returns
+    this rank's contiguous shard of the tokens, ``parallel.shard_sequence``).
+    ``activation_checkpointing`` recomputes each layer in backward; ``activation_offload``
+    (an :class:`~dapo_trainer.offload.ActivationOffload`, or None) keeps the checkpointed
+    layers' inputs in host memory between forward and backward.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -215,7 +228,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.activation_checkpointing = False
+        self.activation_offload = None
         self.tp_group = None
+        self.sp_group = None
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> "Transformer":
@@ -244,7 +259,9 @@ class Transformer(nn.Module):
             max_seqlen: longest sequence length (int).
             position_ids: ``[T]`` integer; default: 0, 1, ... restarting at each sequence.
         Returns:
-            ``[T, hidden_size]`` in the parameters' dtype, after the final RMSNorm.
+            ``[T, hidden_size]`` in the parameters' dtype, after the final RMSNorm; under
+            sequence parallelism ``[T_r, hidden_size]``, this rank's shard of the tokens
+            (every rank of ``sp_group`` passes the same whole micro-batch).
         """
         check_tensor("input_ids", input_ids, ndim=1, dtypes=INT_DTYPES)
         T = input_ids.shape[0]
@@ -254,14 +271,23 @@ class Transformer(nn.Module):
             position_ids = dk.packed_position_ids(cu_seqlens, T)
         else:
             check_tensor("position_ids", position_ids, dtypes=INT_DTYPES, device=input_ids.device, shape=(T,))
+        shards = None
+        if self.sp_group is not None:  # this rank's tokens; attention exchanges them for heads
+            shards, start = sequence_shards(T, self.sp_group)
+            rank_tokens = shards[dist.get_rank(self.sp_group)]
+            input_ids, position_ids = input_ids.narrow(0, start, rank_tokens), position_ids.narrow(0, start, rank_tokens)
 
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, h.dtype)
-        for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, cu_seqlens, max_seqlen)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        # Offload acts on what the checkpoints save: each layer's input (the layer's own
+        # activations are recomputed, not saved).
+        with offload_scope(self.activation_offload if recompute else None):
+            for layer in self.layers:
+                if recompute:
+                    h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, shards, use_reentrant=False)
+                else:
+                    h = layer(h, cos, sin, cu_seqlens, max_seqlen, shards)
         return self.norm(h)
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -271,6 +297,9 @@ class Transformer(nn.Module):
         (as zeros) with ``dk.pad_input``, so only real tokens are computed.
         """
         check_tensor("input_ids", input_ids, ndim=2, dtypes=INT_DTYPES)
+        if self.sp_group is not None:
+            raise ValueError("forward_padded: a sequence-parallel model returns a shard of the packed tokens, "
+                             "which cannot be padded back; call forward on packed tokens")
         B, S = input_ids.shape
         ids, indices, cu_seqlens, max_seqlen, _ = dk.unpad_input(input_ids.unsqueeze(-1), attention_mask)
         hidden = self(ids.squeeze(-1), cu_seqlens, max_seqlen)

@@ -9,7 +9,8 @@ One step (``DAPOTrainer.train_step``):
    kept (``DynamicSamplingExhausted`` after ``max_num_gen_batches``);
 4. old log-probs (skipped on-policy: one mini-batch, one epoch) and reference log-probs;
 5. per mini-batch: sequences balanced over data-parallel ranks (``dk.balanced_partitions``),
-   token-capped micro-batches (``dk.micro_batches``) packed through the model,
+   token-capped micro-batches (``dk.micro_batches``, balanced by attention workload; the cap is
+   per rank, so an SP group's micro-batch holds SP times as many tokens) packed through the model,
    ``dk.fused_linear_policy_loss`` normalised by the mini-batch's global token count,
    gradients averaged over data-parallel ranks by torch's DDP (once per mini-batch: the
    micro-batches before the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW
@@ -22,7 +23,9 @@ generation batch, whole prompt groups, with the counter-based streams the whole 
 would draw, and the shares are all-gathered: every rank holds the same batch (the same one
 for any number of processes) and dynamic sampling decides identically everywhere. The
 update is split over data-parallel ranks (torch's DDP, or FSDP2) and, inside a DP rank,
-tensor parallel over ``actor.tensor_model_parallel_size`` ranks.
+tensor parallel over ``actor.tensor_model_parallel_size`` ranks or sequence parallel (Ulysses)
+over ``actor.ulysses_sequence_parallel_size`` ranks: those take the same micro-batches and each
+computes a contiguous shard of their tokens; gradients are then reduced over DP x SP ranks.
 """
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ from . import dialogue, envs, rewards
 from .config import Config
 from .hf_io import load_hf_model
 from .metrics import MetricsLogger
-from .parallel import (apply_ddp, apply_fsdp, balanced_dp_split, collective_device, full_state_dict, make_mesh,
-                       parallelize, tp_shard_dims)
+from .offload import ActivationOffload
+from .parallel import (apply_ddp, apply_fsdp, apply_sequence_parallel, balanced_dp_split, collective_device,
+                       full_state_dict, make_mesh, parallelize, shard_sequence, sp_micro_batches, tp_shard_dims)
 from .rollout import make_rollout
 from .rollout.multiturn import multi_turn_rollout
 
@@ -125,14 +129,14 @@ class DAPOTrainer:
         # DDP averages the gradients over data-parallel ranks in the backward (FSDP2 shards
         # them); the training forward runs through the wrapper, log-probs on the model itself.
         self.ddp = None
-        if self.dp > 1 and self.actor_cfg.strategy == "ddp":
-            self.ddp = apply_ddp(self.model, self.dp_group)
+        if self.grad_ranks > 1 and self.actor_cfg.strategy == "ddp":
+            self.ddp = apply_ddp(self.model, self.grad_group)
         self.ref_model = None
         if self.actor_cfg.use_kl_loss:
             self.ref_model = self._build_model(arr.model.path, trainable=False)
-        # The sampler needs the whole, unsharded model: under TP / FSDP it samples from a
+        # The sampler needs the whole, unsharded model: under TP / SP / FSDP it samples from a
         # replica that is refreshed after every update.
-        self.sharded = self.tp > 1 or self.actor_cfg.strategy == "fsdp2"
+        self.sharded = self.tp > 1 or self.sp > 1 or self.actor_cfg.strategy == "fsdp2"
         self.rollout_model = load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if self.sharded else self.model
         self.engine = make_rollout(self.rollout_cfg.engine_config(), self.rollout_model)
 
@@ -162,28 +166,42 @@ class DAPOTrainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.tp = self.actor_cfg.tensor_model_parallel_size
-        if self.world % self.tp:
-            raise ValueError(f"actor_rollout_ref.actor.tensor_model_parallel_size={self.tp} must divide the "
-                             f"number of processes {self.world}")
-        self.dp = self.world // self.tp
-        self.tp_group = self.dp_group = self.dp_mesh = None
+        self.sp = self.actor_cfg.ulysses_sequence_parallel_size
+        if self.world % (self.tp * self.sp):
+            raise ValueError(f"actor_rollout_ref.actor.tensor_model_parallel_size={self.tp} times "
+                             f"ulysses_sequence_parallel_size={self.sp} must divide the number of processes {self.world}")
+        self.dp = self.world // (self.tp * self.sp)
+        self.tp_group = self.dp_group = self.dp_mesh = self.sp_group = None
+        # Gradients are reduced over the data-parallel ranks and, under SP, over the SP ranks too:
+        # each holds the gradient of its token shard's loss (config validation keeps TP = 1 then,
+        # so that is every rank).
+        self.grad_ranks = self.dp * self.sp
+        self.grad_group = self.grad_mesh = None
         # Where tensors handed to a collective live: the backend's device (NCCL takes CUDA
         # tensors only), whatever the tensor was built from.
         self.comm_device = self.device
         if self.world > 1:
-            mesh = make_mesh(self.device, tp=self.tp)
+            mesh = make_mesh(self.device, tp=self.tp, sp=self.sp)
             self.tp_group, self.dp_mesh = mesh["tp"].get_group(), mesh["dp"]
             self.dp_group = self.dp_mesh.get_group()
+            self.grad_group, self.grad_mesh = self.dp_group, self.dp_mesh
+            if self.sp > 1:
+                self.sp_group = mesh["sp"].get_group()
+                self.grad_group = self.grad_mesh = dist.group.WORLD
             self.comm_device = collective_device(self.dp_group)
 
     def _build_model(self, path: str, trainable: bool = True):
         arr = self.cfg.actor_rollout_ref
         model = load_hf_model(path, _DTYPES[arr.model.dtype], self.device)
         model.activation_checkpointing = arr.model.enable_gradient_checkpointing and trainable
+        if model.activation_checkpointing and arr.model.enable_activation_offload:
+            model.activation_offload = ActivationOffload()
         if self.tp > 1:
             parallelize(model, self.tp_group)
-        if trainable and self.actor_cfg.strategy == "fsdp2" and self.dp > 1:
-            apply_fsdp(model, self.dp_mesh)
+        if self.sp > 1:
+            apply_sequence_parallel(model, self.sp_group)
+        if trainable and self.actor_cfg.strategy == "fsdp2" and self.grad_ranks > 1:
+            apply_fsdp(model, self.grad_mesh)
         model.requires_grad_(trainable)
         return model
 
@@ -432,12 +450,14 @@ class DAPOTrainer:
                 mine = [mini[i] for i in part]
             lens = [seqlens[i] for i in mine]
             if a.use_dynamic_bsz:
-                micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu)
-                if a.strategy == "fsdp2" and self.dp > 1:
+                # Per SP group: SP times the per-rank token cap, balanced by attention workload.
+                split = dict(hidden_size=self.model.config.hidden_size, sp=self.sp)
+                micro = sp_micro_batches(lens, a.ppo_max_token_len_per_gpu, **split)
+                if a.strategy == "fsdp2" and self.grad_ranks > 1:
                     # FSDP reduce-scatters in every backward: every rank runs as many.
                     cnt = torch.tensor([len(micro)], device=self.comm_device)
-                    dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.dp_group)
-                    micro = dk.micro_batches(lens, a.ppo_max_token_len_per_gpu, min_num_micro_batches=int(cnt))
+                    dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=self.grad_group)
+                    micro = sp_micro_batches(lens, a.ppo_max_token_len_per_gpu, **split, min_num_micro_batches=int(cnt))
                 micro = [[mine[i] for i in mb] for mb in micro]
             else:
                 step = a.ppo_micro_batch_size_per_gpu
@@ -463,10 +483,13 @@ class DAPOTrainer:
         labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
         dev = self.device
         lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
+        mask, adv = torch.cat(mask), torch.cat(adv)
+        if self.sp > 1:  # the model takes every token and computes this rank's shard; the loss reads that shard
+            labels, mask, adv = (shard_sequence(t, self.sp_group) for t in (labels, mask, adv))
         # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
         # read nothing of them inside the micro-batch loop.
         return {"input_ids": to_device_checked(input_ids, dev), "labels": to_device_checked(labels, dev),
-                "mask": torch.cat(mask).to(dev), "advantages": torch.cat(adv).to(dev),
+                "mask": mask.to(dev), "advantages": adv.to(dev),
                 "cu_seqlens": to_device_checked(torch.tensor(cu, dtype=torch.int32), dev), "max_seqlen": max(lens)}
 
     @torch.no_grad()
@@ -502,7 +525,7 @@ class DAPOTrainer:
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
         seq_mode = a.loss_agg_mode.startswith("seq")
-        dp_scale = float(self.dp)  # DDP and FSDP average gradients; the loss is a global sum
+        dp_scale = float(self.grad_ranks)  # DDP and FSDP average gradients; the loss is a global sum
         forward = self.ddp or self.model
         for epoch in range(a.ppo_epochs):
             for i, (p, mbs) in enumerate(zip(plan, packed)):
@@ -554,10 +577,10 @@ class DAPOTrainer:
         if n_updates:  # a step with no applied update does not advance the LR schedule
             self.scheduler.step()
         timing["timing_s/update_actor"] = time.perf_counter() - t0
-        if self.dp > 1:  # the norm is identical on every rank: only the per-rank sums are summed
+        if self.grad_ranks > 1:  # the norm is identical on every rank: only the per-rank sums are summed
             acc = torch.cat([acc, torch.tensor([loss_sum], dtype=torch.float64, device=acc.device)])
             acc = acc.to(self.comm_device)
-            dist.all_reduce(acc, group=self.dp_group)
+            dist.all_reduce(acc, group=self.grad_group)
             *sums, loss_sum = acc.tolist()
         else:
             sums = acc.tolist()

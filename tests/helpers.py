@@ -7,7 +7,6 @@ reference by at most 2x the error that plain torch makes computing the same thin
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 from typing import Callable, Iterable, Optional

@@ -24,7 +24,6 @@ class Report:
 
     def add(self, op, case, *, impl="", ms=None, metric="", status="ok", note=""):
         self.rows.append(Row(op, case, impl, ms, metric, status, note))
-        r = self.rows[-1]
         print(f"   {op:14s} {case:28s} {impl:18s} {'' if ms is None else f'{ms:9.3f} ms'} {metric} {status} {note}",
               flush=True)
 
@@ -62,7 +61,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
     ms = cuda_time_ms(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # free them (the lambda above closes over the names)
     return 2 * nbytes / ms / 1e6
 
 

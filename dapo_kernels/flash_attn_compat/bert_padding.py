@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_tensor
-from ..ops.packing import _index_stats, index_rows, pad_input, unpad_input
+from ..ops.packing import check_indices, index_rows, pad_input, unpad_input
 
 __all__ = ["unpad_input", "pad_input", "index_first_axis", "index_put_first_axis"]
 
@@ -25,9 +25,7 @@ def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(f"input must be at least 2-D [N, *] (flash-attn's contract), got shape {tuple(x.shape)}")
     if indices.numel():
-        lo, hi, _ = _index_stats(indices, x.shape[0])
-        if lo < 0 or hi >= x.shape[0]:
-            raise ValueError(f"indices must lie in [0, {x.shape[0]}), got range [{lo}, {hi}]")
+        check_indices(indices, x.shape[0], distinct=False)
     out = index_rows(x.reshape(x.shape[0], -1), indices.long())
     return out.reshape((indices.shape[0],) + tuple(x.shape[1:]))
 

@@ -35,7 +35,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._validation import check_float, check_int, check_tensor, value_range, value_range_except
+from .._validation import check_float, check_int, check_tensor, tracing, value_range, value_range_except
 
 # CPU chunk: the [C, V] fp32 work buffers (one, two with entropy) in 64 MiB keep each matmul
 # at >= 512 rows at V = 32k (full speed: measured no faster at 1024) for an eighth of naive's
@@ -302,7 +302,8 @@ def accumulate_grads(dz, x, w32, d_h, d_w, sl: slice, live: Optional[torch.Tenso
 def check_linear_inputs(hidden, weight, labels, temperature, process_group, ignore_index=None):
     """Validate; return (vocab_start, group key, bool ``[N]`` of the labels equal to ``ignore_index``,
     or None when there are none: known from the label range, so the common case costs nothing).
-    One host sync for the label range (two the first time a tensor holds ``ignore_index``)."""
+    One host sync for the label range (two the first time a tensor holds ``ignore_index``); under
+    ``torch.compile`` none: the range is checked on the device."""
     check_tensor("hidden", hidden, ndim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device,
                  shape=(None, hidden.shape[1]))
@@ -320,7 +321,14 @@ def check_linear_inputs(hidden, weight, labels, temperature, process_group, igno
     if ignore_index is not None:
         ignore_index = check_int("ignore_index", ignore_index)
     ignored = None
-    if labels.numel():
+    if tracing():  # no range to read: every label in range or ignored, checked on the device
+        ok = (labels >= 0) & (labels < vocab)
+        if ignore_index is not None:
+            ignored = labels == ignore_index
+            ok = ok | ignored
+        torch._assert_async(ok.all(), f"labels must lie in [0, V) or equal ignore_index={ignore_index} "
+                                      "(checked on the device)")
+    elif labels.numel():
         lo, hi = value_range(labels)
         if ignore_index is not None and lo <= ignore_index <= hi:
             ignored = labels == ignore_index

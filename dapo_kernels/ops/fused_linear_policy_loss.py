@@ -13,6 +13,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .._registry import dispatch, register
 from .._validation import check_flag, check_float, check_mask, check_tensor
@@ -132,7 +133,8 @@ def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entro
     f32 = dict(dtype=torch.float32)
     d_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0, hidden.shape[1]))
     d_w = torch.empty_like(weight) if compute_grad else weight.new_empty((0, weight.shape[1]))
-    return hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), d_h, d_w
+    return (hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32),
+            hidden.new_empty((n,), **f32), d_h, d_w)
 
 
 def _fused_setup(ctx, inputs, output):
@@ -155,7 +157,10 @@ def _fused_backward(ctx, g_sums, *_):
         d_h = d_w = None
     else:
         g = g_sums[0]
-        d_h, d_w = d_h.mul_(g), d_w.mul_(g)
+        if is_fake(d_h):  # traced (torch.compile, opcheck): a graph may not write into a forward output
+            d_h, d_w = d_h * g, d_w * g
+        else:
+            d_h, d_w = d_h.mul_(g), d_w.mul_(g)
     return (d_h, d_w, None, [None] * ctx.n_tokens, None, None, None, None, None, None)
 
 
@@ -208,7 +213,8 @@ def fused_linear_policy_loss(
 
     ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``, ``temperature`` and ``process_group``
     as in :func:`linear_log_probs`; ``old_log_prob``, ``advantages``, ``ref_log_prob`` float
-    ``[N]``, ``response_mask`` ``[N]`` (bool, integer or float 0 / 1, as in :func:`dapo_kernels.policy_loss`); the loss arguments as in
+    ``[N]``, ``response_mask`` ``[N]`` (bool, integer or float 0 / 1, as in :func:`dapo_kernels.policy_loss`);
+    the loss arguments as in
     :func:`dapo_kernels.policy_loss` (``cu_seqlens`` ``[B+1]`` for the seq modes; the entropy and
     kl terms use the same aggregation, as verl's actor does). ``kl_type`` in ``KL_TYPES``.
     ``old_log_prob=None`` is the on-policy update (one epoch over one mini-batch): the old

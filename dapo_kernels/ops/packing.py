@@ -21,7 +21,7 @@ import triton.language as tl
 from .._alloc import cpu_bulk_output, empty_output
 from .._cache import per_tensor_cache
 from .._registry import dispatch, register
-from .._validation import check_int, check_mask, check_tensor, cu_seqlens_boundaries
+from .._validation import check_int, check_mask, check_tensor, cu_seqlens_boundaries, tracing
 from ._triton_utils import cdiv, next_pow2
 
 # Elements per program: a [rows, BLOCK_F] tile of 8192 (32 per thread over 8 warps: 64 registers
@@ -257,13 +257,17 @@ def unpad_input(
     # only the gather kernel launches; the first nnz entries are a view.
     indices = _first_position_reaching(count, flat.numel())
     nnz, lo, hi, max_seqlen = torch.stack(head + [max_len.to(count.dtype)]).tolist()
+    if tracing():  # torch.compile: nnz and max_seqlen are unbacked sizes (what unpad guarantees of them)
+        torch._check(nnz >= 0)
+        torch._check(nnz <= B * S)
+        torch._check(max_seqlen >= 0)
     indices = indices[:nnz]
     feat_shape = hidden_states.shape[2:]
     # Explicit widths: reshape(-1) is ambiguous for empty tensors and new_empty would cut the graph.
     x2d = hidden_states.reshape(B * S, feat_shape.numel())
     x_unpad = index_rows(x2d, indices).reshape((nnz,) + tuple(feat_shape))
     # Valid by construction: checking them again (pad_input, a packed model's layers) reads nothing.
-    if nnz:
+    if not tracing() and nnz:
         _index_stats.prime(indices, B * S, value=(lo, hi, nnz))
     cu_seqlens_boundaries.prime(cu_seqlens, value=(0, nnz, 0))
     return x_unpad, indices, cu_seqlens, int(max_seqlen), seqused
@@ -278,6 +282,28 @@ def _index_stats(indices: torch.Tensor, num_rows: int) -> tuple:
     marked = torch.zeros(num_rows, dtype=torch.bool, device=indices.device)
     marked[indices.clamp(0, num_rows - 1)] = True
     return tuple(torch.stack([*torch.aminmax(indices), marked.sum()]).tolist())
+
+
+def check_indices(indices: torch.Tensor, num_rows: int, *, distinct: bool, bound: str = "") -> None:
+    """Non-empty ``indices`` lie in ``[0, num_rows)`` (and are ``distinct``): one read per tensor
+    (:func:`_index_stats`), on the device under ``torch.compile`` (``RuntimeError``). ``bound``
+    names ``num_rows`` in the message."""
+    if tracing():
+        torch._assert_async(((indices >= 0) & (indices < num_rows)).all(),
+                            "indices must lie in [0, number of rows) (checked on the device)")
+        if distinct:
+            marked = torch.zeros(num_rows, dtype=torch.bool, device=indices.device)
+            marked[indices.clamp(0, max(num_rows - 1, 0))] = True
+            torch._assert_async(marked.sum() == indices.numel(),
+                                "indices must be distinct positions (checked on the device)")
+        return
+    lo, hi, marked = _index_stats(indices, num_rows)
+    if lo < 0 or hi >= num_rows:
+        named = f"{bound}) = [0, " if bound else ""
+        raise ValueError(f"indices must lie in [0, {named}{num_rows}), got range [{lo}, {hi}]")
+    if distinct and marked != indices.numel():
+        raise ValueError(f"indices must be distinct positions, got {indices.numel() - marked} repeated among "
+                         f"{indices.numel()}")
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -306,14 +332,13 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     if indices.shape[0] != nnz:
         raise ValueError(f"indices must have length nnz = hidden_states.shape[0] = {nnz}, got {indices.shape[0]}")
     num_rows = batch * seqlen
-    if nnz > num_rows:
+    if tracing():  # nnz may be unbacked (unpad_input's): a runtime assert, where it is not known statically
+        torch._check(nnz <= num_rows, lambda: "hidden_states has more tokens than batch*seqlen")
+        check_indices(indices, num_rows, distinct=True, bound="batch*seqlen")
+    elif nnz > num_rows:
         raise ValueError(f"hidden_states has {nnz} tokens, more than batch*seqlen = {num_rows}")
-    if nnz:
-        lo, hi, distinct = _index_stats(indices, num_rows)
-        if lo < 0 or hi >= num_rows:
-            raise ValueError(f"indices must lie in [0, batch*seqlen) = [0, {num_rows}), got range [{lo}, {hi}]")
-        if distinct != nnz:
-            raise ValueError(f"indices must be distinct positions, got {nnz - distinct} repeated among {nnz}")
+    elif nnz:
+        check_indices(indices, num_rows, distinct=True, bound="batch*seqlen")
     feat_shape = hidden_states.shape[1:]
     x2d = hidden_states.reshape(nnz, feat_shape.numel())
     out = scatter_rows(x2d, indices.long(), num_rows)
@@ -333,6 +358,8 @@ def packed_position_ids(cu_seqlens: torch.Tensor, total_tokens: Optional[int] = 
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
     if total_tokens is None:
         total_tokens = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+        if tracing():
+            torch._check(total_tokens >= 0)
     total_tokens = check_int("total_tokens", total_tokens, minimum=0)
     check_cu_seqlens(cu_seqlens, total_tokens)
     return _packed_position_ids_op(cu_seqlens, total_tokens)

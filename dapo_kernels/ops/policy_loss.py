@@ -257,7 +257,8 @@ def _as_count(name: str, value, device, *, positive: bool = False) -> torch.Tens
 def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
     """(masked tokens per sequence [B], sequence id per token or None, horizon)."""
     if mask.dim() == 2:
-        return mask.sum(-1, dtype=torch.float64), None, torch.tensor(float(mask.shape[-1]), dtype=torch.float64, device=mask.device)
+        horizon = torch.tensor(float(mask.shape[-1]), dtype=torch.float64, device=mask.device)
+        return mask.sum(-1, dtype=torch.float64), None, horizon
     cu = cu_seqlens.long()
     csum = torch.nn.functional.pad(torch.cumsum(mask, 0, dtype=torch.float64), (1, 0))
     lens = cu[1:] - cu[:-1]

@@ -1,4 +1,5 @@
-"""Parallelism applied to a built model by functions: tensor (Megatron) and data (FSDP2 / DDP).
+"""Parallelism applied to a built model by functions: tensor (Megatron), sequence (Ulysses) and
+data (FSDP2 / DDP).
 
 Typical multi-node setup (launched by ``torchrun``)::
 
@@ -12,16 +13,21 @@ Typical multi-node setup (launched by ``torchrun``)::
 # does, must not import parallel.tensor, which imports the model.
 _EXPORTS = {
     "apply_ddp": "data", "apply_fsdp": "data", "balanced_dp_split": "data", "global_mean_scale": "data",
+    "sp_micro_batches": "data",
     "collective_device": "collectives", "backend_for_device": "dist", "init_distributed": "dist", "make_mesh": "dist",
     "ColumnParallelLinear": "tensor", "RowParallelLinear": "tensor", "VocabParallelEmbedding": "tensor",
     "full_state_dict": "tensor", "parallelize": "tensor", "tp_shard_dims": "tensor", "unshard": "tensor",
+    "apply_sequence_parallel": "sequence", "shard_sequence": "sequence",
 }
 
 __all__ = [
     "parallelize",
+    "apply_sequence_parallel",
+    "shard_sequence",
     "apply_fsdp",
     "apply_ddp",
     "balanced_dp_split",
+    "sp_micro_batches",
     "global_mean_scale",
     "backend_for_device",
     "collective_device",

@@ -1,10 +1,12 @@
-"""Megatron's autograd collectives for tensor parallelism: a leaf module.
+"""Autograd collectives of tensor (Megatron) and sequence (DeepSpeed-Ulysses) parallelism: a leaf module.
 
 It imports nothing of ``dapo_trainer``, so the model can call these while
 :mod:`dapo_trainer.parallel.tensor` (which imports the model) applies the sharding:
 ``parallel/`` imports the model, never the reverse.
 """
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -90,3 +92,64 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
+
+
+# --------------------------------------------------------------------------- Ulysses
+def sequence_shards(total: int, group) -> Tuple[Tuple[int, ...], int]:
+    """How ``total`` packed tokens split over the ranks of ``group``: ``(tokens per rank, this
+    rank's first token)``. Contiguous and as even as integers allow (the later ranks take the
+    remainder), so no padding token is ever computed; sequences may cross shard boundaries.
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    cuts = [total * q // n for q in range(n + 1)]
+    return tuple(cuts[q + 1] - cuts[q] for q in range(n)), cuts[r]
+
+
+def _all_to_all(x: torch.Tensor, group, shards, to_heads: bool) -> torch.Tensor:
+    """One ``all_to_all_single``. ``to_heads``: ``[shards[r], H, D]`` (this rank's tokens, all
+    heads) -> ``[sum(shards), H / n, D]`` (every token, heads block r); else the inverse."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    if to_heads:
+        t, h, d = x.shape
+        # Rank j's block (heads j*h/n ..) first: the buffer is split along dim 0 in rank order.
+        send = x.view(t, n, h // n, d).transpose(0, 1).reshape(n * t, h // n, d)
+        out = x.new_empty(sum(shards), h // n, d)
+        dist.all_to_all_single(out, send, list(shards), [t] * n, group=group)
+        return out
+    h, d, t = x.shape[1], x.shape[2], shards[r]
+    out = x.new_empty(n * t, h, d)
+    dist.all_to_all_single(out, x, [t] * n, list(shards), group=group)
+    return out.view(n, t, h, d).transpose(0, 1).reshape(t, n * h, d)
+
+
+class _UlyssesAllToAll(torch.autograd.Function):
+    """Sequence shards <-> head shards; the backward is the opposite exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group, shards, to_heads):
+        ctx.args = (group, shards, to_heads)
+        return _all_to_all(x, group, shards, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, shards, to_heads = ctx.args
+        return _all_to_all(grad, group, shards, not to_heads), None, None, None
+
+
+def seq_to_heads(x: torch.Tensor, group, shards) -> torch.Tensor:
+    """``[shards[r], H, D]`` -> ``[sum(shards), H / n, D]``: every token of this rank's heads.
+
+    Rank r gets heads ``r*H/n .. (r+1)*H/n - 1``. With fewer heads than ranks (GQA's KV heads,
+    ``n % H == 0``) each head is repeated ``n / H`` times first, so rank r gets head ``r*H // n``:
+    the one its query heads read. The repeat's backward sums the copies' gradients.
+    """
+    n = dist.get_world_size(group)
+    if x.shape[1] < n:
+        x = x.repeat_interleave(n // x.shape[1], dim=1)
+    return _UlyssesAllToAll.apply(x, group, tuple(shards), True)
+
+
+def heads_to_seq(x: torch.Tensor, group, shards) -> torch.Tensor:
+    """``[sum(shards), h, D]`` (this rank's heads) -> ``[shards[r], n*h, D]`` (its tokens, all heads)."""
+    return _UlyssesAllToAll.apply(x, group, tuple(shards), False)

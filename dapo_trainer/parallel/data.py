@@ -1,4 +1,4 @@
-"""Data parallelism: FSDP2 (``fully_shard``) or DDP, and sequence balancing across ranks.
+"""Data parallelism: FSDP2 (``fully_shard``) or DDP, and sequence balancing across ranks and micro-batches.
 
 Both wrappers average gradients over the data-parallel group. A loss that should be
 a mean over all tokens of the global batch is therefore written per rank as
@@ -99,3 +99,20 @@ def balanced_dp_split(seqlens: Sequence[int], group=None, *, hidden_size: Option
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     workloads = seqlens if hidden_size is None else dk.attention_workload(seqlens, hidden_size)
     return list(dk.balanced_partitions(workloads, world)[rank])
+
+
+def sp_micro_batches(seqlens: Sequence[int], max_token_len: int, *, hidden_size: int, sp: int = 1,
+                     min_num_micro_batches: int = 1) -> List[List[int]]:
+    """Token-capped micro-batches of one data-parallel rank's sequences, for an SP group of ``sp`` ranks.
+
+    ``max_token_len`` is per rank (``ppo_max_token_len_per_gpu``): the ``sp`` ranks of a group
+    compute a micro-batch together, each ``1/sp`` of its tokens, so ``dk.micro_batches`` gets
+    the cap ``max_token_len * sp``, and a sequence may be up to that long. Micro-batches are
+    balanced by attention workload (``dk.attention_workload``: its ``L*L`` term follows whole
+    sequences), so each one costs the group about the same. Inside a micro-batch the ranks'
+    work is equal by construction: contiguous token shards of equal size, and attention for
+    ``1/sp`` of the heads over every token.
+    """
+    workloads = dk.attention_workload(seqlens, hidden_size)
+    return dk.micro_batches(seqlens, max_token_len * sp, workloads=workloads,
+                            min_num_micro_batches=min_num_micro_batches)

@@ -57,16 +57,20 @@ def init_distributed(device, *, timeout_s: Optional[float] = None) -> torch.devi
     return device
 
 
-def make_mesh(device, *, tp: int = 1):
-    """2-D ``DeviceMesh`` ("dp", "tp") over all ranks, tensor-parallel ranks adjacent.
+def make_mesh(device, *, tp: int = 1, sp: int = 1):
+    """2-D ``DeviceMesh`` ("dp", "tp") over all ranks, tensor-parallel ranks adjacent; with
+    ``sp > 1`` 3-D ("dp", "sp", "tp"), sequence-parallel ranks next (Ulysses all-to-alls, four per
+    layer each way, also want the fast links).
 
     Adjacent ranks share a node, so the TP all-reduces (two per layer) stay on the
-    fastest links; ``mesh["tp"].get_group()`` goes to ``parallelize`` and ``mesh["dp"]``
-    to ``apply_fsdp``.
+    fastest links; ``mesh["tp"].get_group()`` goes to ``parallelize``, ``mesh["sp"].get_group()``
+    to ``apply_sequence_parallel`` and ``mesh["dp"]`` to ``apply_fsdp``.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if tp < 1 or world % tp:
-        raise ValueError(f"tp must divide the world size {world}, got {tp}")
-    return init_device_mesh(torch.device(device).type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    if tp < 1 or sp < 1 or world % (tp * sp):
+        raise ValueError(f"tp x sp must divide the world size {world}, got tp={tp}, sp={sp}")
+    if sp == 1:
+        return init_device_mesh(torch.device(device).type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(torch.device(device).type, (world // (tp * sp), sp, tp), mesh_dim_names=("dp", "sp", "tp"))

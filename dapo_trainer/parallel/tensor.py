@@ -111,6 +111,17 @@ def _copy_block_input(group):
     return hook
 
 
+def check_not_yet(model: Transformer, group_attr: str, kind: str) -> None:
+    """TypeError unless ``model`` is a Transformer; ValueError without torch.distributed or when
+    ``model.<group_attr>`` says it is already ``kind`` parallel."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
+    if not dist.is_initialized():
+        raise ValueError(f"{group_attr}: torch.distributed is not initialised")
+    if getattr(model, group_attr) is not None:
+        raise ValueError(f"model is already {kind} parallel")
+
+
 def parallelize(model: Transformer, tp_group) -> Transformer:
     """Shard ``model`` in place for tensor parallelism over ``tp_group``; returns it.
 
@@ -118,12 +129,7 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
     the checkpoint on each rank, or broadcast). Head counts, the intermediate size and
     the vocabulary must divide by the group size (ValueError otherwise).
     """
-    if not isinstance(model, Transformer):
-        raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
-    if not dist.is_initialized():
-        raise ValueError("tp_group: torch.distributed is not initialised")
-    if model.tp_group is not None:
-        raise ValueError("model is already tensor parallel")
+    check_not_yet(model, "tp_group", "tensor")
     tp = dist.get_world_size(tp_group)
     cfg = model.config
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):

@@ -231,3 +231,34 @@ def test_yaml_merge_key_is_not_a_duplicate(tmp_path):
     p.write_text("data:\n  <<: {train_batch_size: 4, max_response_length: 32}\n  train_batch_size: 8\n")
     cfg = load_config(str(p))
     assert (cfg.data.train_batch_size, cfg.data.max_response_length) == (8, 32)
+
+
+def test_sp_size_alias_and_long_context_keys(tmp_path):
+    cfg = load_config(overrides=["actor_rollout_ref.actor.sp_size=4",
+                                 "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                                 "actor_rollout_ref.model.enable_activation_offload=true"])
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 4
+    assert cfg.actor_rollout_ref.model.enable_activation_offload is True
+    # An SP group's micro-batch holds SP x the per-rank token cap: longer sequences fit.
+    long = ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512"]  # prompt + response: 1024 tokens
+    assert load_config(overrides=long + ["actor_rollout_ref.actor.sp_size=2"])
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu"):
+        load_config(overrides=long)
+    p = tmp_path / "c.yaml"
+    p.write_text("actor_rollout_ref:\n  actor:\n    sp_size: 2\n    ulysses_sequence_parallel_size: 2\n")
+    with pytest.raises(ValueError, match="duplicate config key 'actor_rollout_ref.actor.ulysses_sequence_parallel_size'"):
+        load_config(str(p))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["actor_rollout_ref.actor.sp_size=0"], "ulysses_sequence_parallel_size': must be >= 1"),
+    (["actor_rollout_ref.actor.sp_size=2", "actor_rollout_ref.actor.tensor_model_parallel_size=2"],
+     "with tensor parallelism .* is not supported"),
+    (["actor_rollout_ref.actor.sp_size=2", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+     "sequence parallelism supports loss_agg_mode token-mean or token-sum"),
+    (["actor_rollout_ref.model.enable_activation_offload=true"],
+     "enable_activation_offload': .*enable_gradient_checkpointing=true"),
+])
+def test_long_context_settings_rejected(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides=overrides)

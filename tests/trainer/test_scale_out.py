@@ -27,10 +27,14 @@ SCENARIOS = {
     "dp2": [],
     "fsdp2": ["actor_rollout_ref.actor.strategy=fsdp2"],
     "tp2": ["actor_rollout_ref.actor.tensor_model_parallel_size=2"],
+    "sp2": ["actor_rollout_ref.actor.sp_size=2"],
 }
 SCENARIOS_4 = {
     "dp4": [],
     "tp2xfsdp2": ["actor_rollout_ref.actor.tensor_model_parallel_size=2", "actor_rollout_ref.actor.strategy=fsdp2"],
+    "sp2xfsdp2": ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.strategy=fsdp2",
+                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                  "actor_rollout_ref.model.enable_activation_offload=true"],
 }
 
 
@@ -89,7 +93,7 @@ def _run_trainer(overrides) -> dict:
                 audit.calls.append((audit.phase, "ddp_bucket"))
                 return allreduce_hook(group, bucket)
 
-            trainer.ddp.register_comm_hook(trainer.dp_group, counting_hook)
+            trainer.ddp.register_comm_hook(trainer.grad_group, counting_hook)
         audit.phase = "step"
         metrics = trainer.train_step()
         train_tokens = sum(gen_tokens)
@@ -161,7 +165,9 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict) -> None:
     single = _run_trainer(base + [f"trainer.default_local_dir={tmp_path}/single"])
     spawn_process_group(_worker, world, str(tmp_path), base, scenarios, timeout=datetime.timedelta(seconds=300))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    tp_of = {name: 2 if any("tensor_model_parallel_size=2" in o for o in extra) else 1
+    # Ranks per replica (TP or SP group): they sample the same share.
+    tp_of = {name: 2 if any(o.split("=")[0].endswith(("tensor_model_parallel_size", "sp_size", "sequence_parallel_size"))
+                            and o.endswith("=2") for o in extra) else 1
              for name, extra in scenarios.items()}
     failures = _compare(single, ranks, scenarios, tp_of)
     for name in scenarios:
@@ -169,13 +175,16 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict) -> None:
             counts = res[name]["collectives"]
             print(name, "rank", r, "collectives:", counts)
             assert any(phase == "validate" for phase, _ in counts), (name, counts)
+            # Sequence parallel: the Ulysses all-to-alls ran in the step (and only there).
+            assert any(c == "all_to_all_single" for _, c in counts) == name.startswith("sp"), (name, counts)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_two_processes_equal_one_under_simulated_accelerator(tmp_path):
-    """DP=2 (DDP), DP=2 (FSDP2), TP=2: first step's batch and metrics equal one process's."""
+    """DP=2 (DDP), DP=2 (FSDP2), TP=2, SP=2 (DDP over the SP ranks): first step's batch and metrics
+    equal one process's."""
     _spawn_and_compare(tmp_path, 2, SCENARIOS)
     # DDP: one gradient all-reduce per optimizer update (the tiny model fits DDP's first
     # bucket), although each update accumulates several micro-batches.
@@ -189,5 +198,6 @@ def test_two_processes_equal_one_under_simulated_accelerator(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_four_processes_equal_one(tmp_path):
-    """DP=4 (DDP) and TP=2 x DP=2 (FSDP2 on the 2-D mesh): first step equal to one process."""
+    """DP=4 (DDP), TP=2 x DP=2 (FSDP2 on the 2-D mesh) and SP=2 x DP=2 (FSDP2 over all ranks,
+    checkpointing with activation offload): first step equal to one process."""
     _spawn_and_compare(tmp_path, 4, SCENARIOS_4)

@@ -40,8 +40,9 @@ _LN2 = 0.6931471805599453
 # Rows a program owns (outer block) in the interpreter: tiny, so CPU tests cover several blocks
 # (and partial ones) per sequence. The GPU's are in _GPU_TILES.
 _OUTER_BLOCK_INTERPRET = 32
-# Rows of the delta preprocess per program: one [32, D] tile of O and dO.
-_DELTA_ROWS = 32
+# Elements of the delta preprocess per program: [rows, D] tiles of O and dO, multiplied and summed
+# in fp64 over 8 warps (32 rows at D <= 128; 16 at D = 256, where 32 spilled on sm_80).
+_DELTA_ELEMS = 4096
 
 
 def _dtype_meta(dtype: torch.dtype) -> dict:
@@ -62,38 +63,45 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 # causal and not, in the AOT sweep (benchmarks/gpu/aot.py; table in benchmarks/RESULTS.md;
 # tests/test_aot_compile.py checks again); every other config is pruned before launch (_prune).
 # Family 90 is Hopper, 80 every other chip (compiled for sm_80). 16-bit inputs on Hopper keep
-# outer blocks >= 64 (wgmma computes 64 rows per warpgroup), except dK/dV at D = 256: it spills
-# at every such tile, so it runs 32-row blocks on mma.sync. fp32 inputs multiply in IEEE fp32 on
+# outer blocks >= 64 (wgmma computes 64 rows per warpgroup), except dK/dV and dQ at D = 256: they
+# spill at every such tile, so they run 16- / 32-row blocks on mma.sync. fp32 inputs multiply in IEEE fp32 on
 # the CUDA cores, with whole rows of the operand tiles in registers: small tiles. ptxas allocates
 # differently per head dim (96 is not 128) and per arch, hence the table.
 _F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
-             **dict.fromkeys((96, 128), (64, ((16, 8, 2), (16, 8, 3)))), 256: (32, ((16, 8, 3),))}
+             **dict.fromkeys((96, 128), (64, ((16, 8, 2),))), 256: (16, ((16, 8, 3),))}
 _F32_FWD = {16: (64, ((32, 4, 2), (32, 8, 2))), **dict.fromkeys((32, 64), (64, ((16, 8, 2), (32, 8, 2)))),
-            **dict.fromkeys((96, 128), (32, ((16, 8, 2),))), 256: (16, ((16, 8, 2),))}
+            **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 2),))}
+# fp32 tiles take 1 stage where 2 spilled: without the software pipeline ptxas keeps far fewer
+# registers live (the dQ kernel at D = 128: 80 instead of 255 + 232 B of stack).
 _F32_DKDV = {16: (64, ((16, 4, 2),)), 32: (16, ((16, 8, 2),)), 64: (32, ((16, 8, 2),)), 96: (16, ((16, 8, 1),)),
-             128: (16, ((16, 8, 2),))}
-_F32_DQ = {16: (64, ((32, 4, 2), (32, 8, 2))), 32: (64, ((32, 8, 2),)), 64: (64, ((16, 8, 2), (32, 8, 2))),
-           **dict.fromkeys((96, 128), (32, ((16, 8, 2),))), 256: (16, ((16, 4, 2), (16, 8, 2)))}
+             128: (16, ((16, 8, 2),)), 256: (16, ((16, 8, 1),))}
+_F32_DQ = {16: (64, ((32, 4, 2), (32, 8, 2))), 32: (64, ((32, 8, 2),)), 64: (64, ((16, 8, 2),)),
+           **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 1), (16, 4, 1)))}
 _SMALL_D = (128, ((64, 4, 3), (64, 8, 3), (128, 8, 3)))
 _GPU_TILES = {
-    ("fwd", 90, 2): {**dict.fromkeys((16, 32, 64), _SMALL_D), **dict.fromkeys((96, 128), (128, ((64, 8, 3),))),
-                     256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
+                     **dict.fromkeys((96, 128), (128, ((64, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
     ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
                      **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
     ("dkdv", 90, 2): _F16_DKDV,
     ("dkdv", 80, 2): _F16_DKDV,
     ("dq", 90, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3), (128, 8, 3))), 64: (128, ((32, 4, 3), (64, 8, 3))),
-                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (64, ((16, 8, 3),))},
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
     ("dq", 80, 2): {16: _SMALL_D, **dict.fromkeys((32, 64), (128, ((32, 8, 3), (64, 8, 3)))),
-                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
     ("fwd", 90, 4): _F32_FWD,
     ("fwd", 80, 4): _F32_FWD,
-    ("dkdv", 90, 4): {**_F32_DKDV, 256: (16, ((16, 8, 3),))},
-    ("dkdv", 80, 4): {**_F32_DKDV, 256: (16, ((16, 8, 2),))},
+    ("dkdv", 90, 4): _F32_DKDV,
+    ("dkdv", 80, 4): _F32_DKDV,
     ("dq", 90, 4): _F32_DQ,
     ("dq", 80, 4): _F32_DQ,
+    # dK/dV with dQ added by atomics (deterministic=False) holds a dQ tile and its addresses too:
+    # rows only where it compiled without spills; elsewhere the dQ kernel runs instead.
+    ("dkdv_dq", 90, 2): {d: _F16_DKDV[d] for d in (16, 32, 64)},
+    ("dkdv_dq", 80, 2): {d: _F16_DKDV[d] for d in (32, 64)},
+    ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32, 64, 96)},
+    ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32, 64, 96)},
 }
-_GPU_TILES.update({("dkdv_dq", a, s): t for (k, a, s), t in list(_GPU_TILES.items()) if k == "dkdv"})  # TODO tune
 # The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
 TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # LPT order of the work lists; False keeps (sequence, block) order (GPU check compares).
@@ -626,8 +634,9 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_l
 def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     T, Hq, D = out.shape
     delta = empty_output((Hq, T), dtype=torch.float32, device=out.device)
-    _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, _DELTA_ROWS),)](
-        out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=_DELTA_ROWS,
+    rows = min(32, _DELTA_ELEMS // _block_d(D))
+    _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, rows),)](
+        out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=rows, num_warps=8,
     )
     return delta
 

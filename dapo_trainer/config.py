@@ -538,6 +538,12 @@ def validate(cfg: Config) -> Config:
              f"must be float32, bfloat16 or float16, got {cfg.actor_rollout_ref.model.dtype!r}")
     _require(r.name in ("embedded", "vllm"), "actor_rollout_ref.rollout.name",
              f"must be 'embedded' or 'vllm', got {r.name!r}")
+    _require(r.tensor_model_parallel_size >= 1, "actor_rollout_ref.rollout.tensor_model_parallel_size",
+             f"must be >= 1, got {r.tensor_model_parallel_size}")
+    if r.name == "vllm":
+        from .rollout.vllm_engine import check_vllm_tp  # vLLM itself is imported by the engine only
+
+        check_vllm_tp(r.tensor_model_parallel_size, on_cpu=cfg.trainer.device == "cpu")
     m = cfg.algorithm.filter_groups.metric
     if isinstance(m, str):
         _require(m in FILTER_METRICS, "algorithm.filter_groups.metric",

@@ -275,7 +275,8 @@ class Transformer(nn.Module):
         if self.sp_group is not None:  # this rank's tokens; attention exchanges them for heads
             shards, start = sequence_shards(T, self.sp_group)
             rank_tokens = shards[dist.get_rank(self.sp_group)]
-            input_ids, position_ids = input_ids.narrow(0, start, rank_tokens), position_ids.narrow(0, start, rank_tokens)
+            input_ids = input_ids.narrow(0, start, rank_tokens)
+            position_ids = position_ids.narrow(0, start, rank_tokens)
 
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, h.dtype)

@@ -134,10 +134,15 @@ class DAPOTrainer:
         self.ref_model = None
         if self.actor_cfg.use_kl_loss:
             self.ref_model = self._build_model(arr.model.path, trainable=False)
-        # The sampler needs the whole, unsharded model: under TP / SP / FSDP it samples from a
-        # replica that is refreshed after every update.
-        self.sharded = self.tp > 1 or self.sp > 1 or self.actor_cfg.strategy == "fsdp2"
-        self.rollout_model = load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if self.sharded else self.model
+        # The embedded engine samples from the training model as it is sharded (TP shards; FSDP2
+        # one layer gathered at a time, the DP ranks in lockstep); vLLM receives its gathered
+        # weights. Two cases keep an unsharded replica, refreshed after every update: SP (the
+        # model's forward keeps one token shard) and multi-turn environments under FSDP2 with
+        # several DP ranks (their replicas make different numbers of engine calls: no lockstep).
+        self.sharded = self.tp > 1 or self.sp > 1 or (self.actor_cfg.strategy == "fsdp2" and self.dp > 1)
+        replica = self.sp > 1 or (self.env is not None and self.actor_cfg.strategy == "fsdp2" and self.dp > 1)
+        self.rollout_model = (load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if replica
+                              else self.model)
         self.engine = make_rollout(self.rollout_cfg.engine_config(), self.rollout_model)
 
         o = self.actor_cfg.optim
@@ -171,6 +176,17 @@ class DAPOTrainer:
             raise ValueError(f"actor_rollout_ref.actor.tensor_model_parallel_size={self.tp} times "
                              f"ulysses_sequence_parallel_size={self.sp} must divide the number of processes {self.world}")
         self.dp = self.world // (self.tp * self.sp)
+        rows = self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n
+        if rows < self.dp:
+            # Each DP rank trains on a share of every mini-batch: a rank without a row would
+            # run no backward, and the others would wait in DDP's gradient all-reduce forever.
+            raise ValueError(
+                f"actor_rollout_ref.actor.ppo_mini_batch_size ({self.actor_cfg.ppo_mini_batch_size}) x "
+                f"actor_rollout_ref.rollout.n ({self.rollout_cfg.n}) = {rows} rows per mini-batch, fewer than "
+                f"the {self.dp} data-parallel ranks ({self.world} processes / "
+                f"actor_rollout_ref.actor.tensor_model_parallel_size {self.tp} / ulysses_sequence_parallel_size "
+                f"{self.sp}): every rank needs at least one row; raise the mini-batch size or n, or run fewer "
+                "processes")
         self.tp_group = self.dp_group = self.dp_mesh = self.sp_group = None
         # Gradients are reduced over the data-parallel ranks and, under SP, over the SP ranks too:
         # each holds the gradient of its token shard's loss (config validation keeps TP = 1 then,
@@ -307,6 +323,7 @@ class DAPOTrainer:
         R, P = d.max_response_length, d.max_prompt_length
         table = torch.zeros(len(rows) * r.n, P + 3 * R + len(_SHARE_COLUMNS), dtype=torch.float64)
         if not rows:  # more replicas than prompts: this one only receives
+            self._join_lockstep(R)
             return table, 0, {"gen": 0.0, "reward": 0.0}, {}
         t0 = time.perf_counter()
         out, prompts = self._rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
@@ -398,7 +415,8 @@ class DAPOTrainer:
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
-        timing, tokens, local_tokens, k = defaultdict(float), 0, 0, 0
+        # A step whose train batch the carried-over groups fill generates nothing: its timings are 0, not missing.
+        timing, tokens, local_tokens, k = dict.fromkeys(("gen", "reward", "filter"), 0.0), 0, 0, 0
         turn_stats = defaultdict(float)
         while not self.accumulator.ready:
             gb = self.generation_batch(step, k)
@@ -640,28 +658,39 @@ class DAPOTrainer:
         return norm
 
     def sync_weights(self) -> None:
-        if self.sharded:
+        if self.rollout_model is not self.model:  # the replica (SP; multi-turn under FSDP2 with DP > 1)
             self.rollout_model.load_state_dict(full_state_dict(self.model))
         self.engine.update_weights(self.rollout_model)
 
+    def _join_lockstep(self, max_new_tokens: int) -> None:
+        """A rank without prompts joins the FSDP2 sampler's per-layer gathers of its peers."""
+        if getattr(self.engine, "lockstep_group", None) is not None:
+            self.engine.generate([], 1, max_new_tokens)
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> Dict[str, float]:
-        """Greedy (``rollout.val_kwargs``) decoding of the validation rows, split over all ranks."""
+        """Greedy (``rollout.val_kwargs``) decoding of the validation rows, split over the
+        data-parallel replicas (the ranks of a TP group sample the same rows together)."""
         if not self.val_rows:
             return {}
         d, vk = self.cfg.data, self.rollout_cfg.val_kwargs
-        mine = list(range(self.rank, len(self.val_rows), self.world))
+        q = dist.get_rank(self.dp_group) if self.dp > 1 else 0
+        mine = list(range(q, len(self.val_rows), self.dp))
+        most = -(-len(self.val_rows) // self.dp)  # every replica runs as many batches (FSDP2 lockstep)
         sums = torch.zeros(4, dtype=torch.float64)
-        for start in range(0, len(mine), d.val_batch_size):
+        for start in range(0, most, d.val_batch_size):
             idx = mine[start:start + d.val_batch_size]
+            if not idx:
+                self._join_lockstep(d.max_response_length)
+                continue
             rows = [self.val_rows[i] for i in idx]
             out, _ = self._rollout(idx, rows, self.val_rows, None, vk.n, vk.temperature, vk.top_p,
                                    self._seed(self.global_step, -1))
             score, acc, _ = self._score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
-        if self.world > 1:
+        if self.dp > 1:
             sums = sums.to(self.comm_device)
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.dp_group)
         score, acc, length, n = sums.tolist()
         n = max(n, 1.0)
         return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
@@ -689,8 +718,7 @@ class DAPOTrainer:
         state = {"step": self.global_step, "cursor": self.cursor.state_dict(),
                  "accumulator": ckpt.accumulator_state(self.accumulator), "nonfinite_streak": self.nonfinite_streak}
         full = full_state_dict(self.model) if self.sharded else self.model.state_dict()
-        model = self.rollout_model if self.sharded else self.model
-        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=model, full_state=full,
+        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
                                     model_src_dir=self.cfg.actor_rollout_ref.model.path)
 

@@ -25,8 +25,8 @@ def make_rollout(config, model) -> RolloutEngine:
         config: a :class:`RolloutConfig`, or an object with a ``rollout`` attribute that is
             one; any object with a string ``name`` and (some of) RolloutConfig's attribute
             names also works (missing ones take the defaults).
-        model: the policy; the embedded engine shares its weights, vLLM gets a copy
-            written in HF format.
+        model: the policy (possibly TP- / FSDP2-sharded); the embedded engine samples from
+            it, vLLM receives its gathered weights in memory.
     """
     cfg = getattr(config, "rollout", config)
     if not isinstance(cfg, RolloutConfig):

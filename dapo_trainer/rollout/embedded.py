@@ -12,19 +12,32 @@ Randomness is counter-based: the uniform that draws the token of response ``k`` 
 not on batch composition or thread count, and a run is reproducible bit for bit. ``k``
 counts in the whole generation batch (``prompt_offset``), so data-parallel ranks that each
 sample a share draw what one process sampling the batch draws.
-Tokens are drawn by inverse CDF from the temperature-scaled (and top-p filtered)
-distribution; see :mod:`.base` for the log-prob convention.
+Tokens are drawn by Gumbel-max from the temperature-scaled (and top-p filtered)
+distribution, with one hashed uniform per (response, step, vocabulary id); see :mod:`.base`
+for the log-prob convention.
+
+Parallel models are sampled as they are, no replica: under tensor parallelism each rank
+runs its heads / ffn units / vocabulary rows (the model's own collectives) and draws the
+candidate of its vocabulary shard, and one all-gather of per-shard candidates picks the
+token (:func:`sample_tokens`), so a TP group samples what the unsharded model samples.
+Under FSDP2 the sampler gathers one decoder layer's weights at a time (``unshard`` /
+``reshard``), plus the root's (embeddings, final norm, lm_head) for the whole call; the
+data-parallel ranks then step in lockstep (the gathers are collectives): each runs until
+every rank's responses have finished, and a rank without prompts joins with an empty batch.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import dapo_kernels as dk
 
 from ..model import Transformer, apply_rope, rope_cos_sin
+from ..parallel.collectives import collective_device, gather_from_tp
 from .base import (FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput,
                    check_generate_args)
 
@@ -50,43 +63,71 @@ def request_keys(seed: int, num: int, start: int = 0) -> torch.Tensor:
     return _mix32(_mix32(k ^ s[0]) ^ s[1])
 
 
-def step_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """Uniforms in (0, 1), float64 ``[len(keys)]``, for decode step ``step`` (53 random bits)."""
-    a = _mix32(keys ^ ((2 * step * 0x9E3779B9) & _MASK32))
-    b = _mix32(keys ^ (((2 * step + 1) * 0x9E3779B9) & _MASK32))
+def vocab_uniforms(keys: torch.Tensor, step: int, start: int, count: int) -> torch.Tensor:
+    """Uniforms in (0, 1), float64 ``[len(keys), count]``, for decode step ``step`` and vocabulary
+    ids ``start .. start + count - 1`` (53 random bits each): a hash of (key, step, id), so a
+    tensor-parallel rank draws the noise of its vocabulary shard alone."""
+    ka = _mix32(keys ^ ((2 * step * 0x9E3779B9) & _MASK32))[:, None]
+    kb = _mix32(keys ^ (((2 * step + 1) * 0x9E3779B9) & _MASK32))[:, None]
+    v = torch.arange(start, start + count, dtype=torch.int64, device=keys.device)[None, :]
+    a = _mix32(_mix32(v ^ ka) ^ kb)
+    b = _mix32(a ^ ka)
     bits = (a >> 6) * (1 << 27) + (b >> 5)
     return (bits.double() + 0.5) * 2.0 ** -53
 
 
-def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row by inverse CDF; return ``(tokens [N] int64, log_probs [N] float32)``.
+def _nucleus(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool ``[N, V]``: the most probable tokens whose mass before them is < ``top_p`` (at least one)."""
+    probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
+    keep = (probs.cumsum(-1) - probs) < top_p
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, step: int, temperature: float, top_p: float,
+                  group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by Gumbel-max; return ``(tokens [N] int64, log_probs [N] float32)``.
+
+    The token is ``argmax_v(logits_v / temperature + g_v)`` over the top-p nucleus, with
+    ``g_v = -log(-log(u_v))`` from :func:`vocab_uniforms`: a draw from the nucleus renormalised.
 
     Args:
-        logits: ``[N, V]`` float32 raw logits.
-        u: ``[N]`` float64 uniforms in (0, 1).
+        logits: ``[N, V]`` float32 raw logits; under ``group``, this rank's vocabulary shard
+            ``[N, V / tp]`` (rows ``rank * V / tp ..`` of the lm_head, as ``parallelize`` shards it).
+        keys: ``[N]`` int64 per-response keys (:func:`request_keys`), on the logits' device.
         temperature: 0 is greedy (argmax, log-probs at temperature 1).
         top_p: keep the most probable tokens whose mass before them is < ``top_p``
             (at least one), renormalised for drawing only.
+        group: the tensor-parallel group the vocabulary is sharded over. Each rank draws the
+            candidate of its shard and the softmax statistics of it; one all-gather of these
+            ``[N, 5]`` rows (not of the logits) picks the winner and the log-prob on every rank.
+            With ``top_p < 1`` the nucleus needs the whole distribution: the logits are gathered.
     """
-    if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = logits.argmax(-1)
-        return tok, logp.gather(1, tok[:, None]).squeeze(1)
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp.exp()
-    order = None
-    if top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True)
-        before = probs.cumsum(-1) - probs
-        probs = probs.masked_fill(before >= top_p, 0.0)
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1:]
-    # Strictly below the total so the search never lands past the last positive token.
-    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, x, right=True).clamp_max_(logits.shape[1] - 1)
-    tok = idx.squeeze(1) if order is None else order.gather(1, idx).squeeze(1)
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    tp = 1 if group is None else dist.get_world_size(group)
+    if tp > 1 and top_p < 1.0 and temperature > 0:
+        logits, tp = gather_from_tp(logits, group), 1
+    scaled = logits / temperature if temperature > 0 else logits
+    score = scaled.double()
+    start = dist.get_rank(group) * logits.shape[1] if tp > 1 else 0  # this shard's first vocabulary id
+    if temperature > 0:
+        score = score - torch.log(-torch.log(vocab_uniforms(keys, step, start, logits.shape[1])))
+        if top_p < 1.0:
+            score = score.masked_fill(~_nucleus(scaled, top_p), -float("inf"))
+    idx = score.argmax(-1)
+    if tp == 1:
+        return idx, torch.log_softmax(scaled, dim=-1).gather(1, idx[:, None]).squeeze(1)
+    # The winner over the shards (the first on ties, as argmax over the whole vocabulary) and the
+    # log-sum-exp from each shard's max and sum of exponentials.
+    m = scaled.max(-1).values
+    stats = torch.stack([score.gather(1, idx[:, None]).squeeze(1), (idx + start).double(),
+                         scaled.gather(1, idx[:, None]).squeeze(1).double(), m.double(),
+                         (scaled - m[:, None]).exp().sum(-1).double()])
+    parts = [torch.empty_like(stats) for _ in range(tp)]
+    dist.all_gather(parts, stats, group=group)
+    best, tok, picked, m, z = torch.stack(parts).unbind(1)          # each [tp, N]
+    win = best.argmax(0)[None, :]
+    top = m.max(0).values
+    lse = top + (z * (m - top).exp()).sum(0).log()
+    return tok.gather(0, win)[0].long(), (picked.gather(0, win)[0] - lse).float()
 
 
 def _resolve_seed(seed: Optional[int]) -> int:
@@ -147,12 +188,35 @@ def _packed(prompts: List[List[int]], device) -> Tuple[torch.Tensor, torch.Tenso
     return ids, cu.to(device), lengths.to(device)
 
 
+def _fsdp_group(model: Transformer):
+    """The data-parallel group of an FSDP2-sharded model (its layers' mesh); None if not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    w = next(model.layers[0].parameters(), None) if len(model.layers) else None
+    return w.device_mesh.get_group() if isinstance(w, DTensor) else None
+
+
+@contextmanager
+def _gathered(module):
+    """``module``'s own FSDP2 parameters unsharded inside the block (not its sub-units')."""
+    fsdp = callable(getattr(module, "unshard", None))
+    if fsdp:
+        module.unshard()
+    try:
+        yield
+    finally:
+        if fsdp:
+            module.reshard()
+
+
 class EmbeddedRollout(RolloutEngine):
     """KV-cache sampler on a :class:`~dapo_trainer.model.Transformer` (shares its weights).
 
     ``update_weights(model)`` only rebinds the model: the engine reads the live
     parameters, so after an optimiser step it already samples from the new policy.
-    The model must not be tensor parallel (``model.tp_group is None``).
+    The model may be tensor parallel and / or FSDP2-sharded (module docstring): then every
+    rank of its groups calls ``generate`` together (under FSDP2, ``lockstep_group``: with an
+    empty ``prompt_ids`` on a rank that has nothing to sample).
     """
 
     def __init__(self, model: Transformer, config: Optional[RolloutConfig] = None):
@@ -162,22 +226,22 @@ class EmbeddedRollout(RolloutEngine):
     def update_weights(self, model: Transformer) -> None:
         if not isinstance(model, Transformer):
             raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
-        if model.tp_group is not None:
-            raise ValueError("the embedded sampler needs an unsharded model (model.tp_group is not None)")
         self.model = model
+        # Determined while the layers are sharded (between forwards, as here after a step).
+        self.lockstep_group = _fsdp_group(model)
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len or self.model.config.max_position_embeddings
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: FSDP2 would keep its gathered buffers as inference tensors
     def generate(self, prompt_ids: List[List[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
                  prompt_offset: int = 0) -> RolloutOutput:
         """Sample ``n`` responses per prompt (see :mod:`.base` for the output and log-probs).
 
         Args:
-            prompt_ids: ``B`` non-empty lists of token ids.
+            prompt_ids: ``B`` non-empty lists of token ids (``B = 0`` only with a ``lockstep_group``).
             n: responses per prompt; response ``k`` answers prompt ``k // n``.
             max_new_tokens: length cap per response (``finish_reason`` "length").
             temperature: > 0 samples from ``softmax(logits / temperature)``; 0 is greedy.
@@ -192,9 +256,15 @@ class EmbeddedRollout(RolloutEngine):
         model = self.model
         cfg = model.config
         prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
-                                             self.max_model_len, cfg.vocab_size, prompt_offset)
-        keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n)
+                                             self.max_model_len, cfg.vocab_size, prompt_offset,
+                                             allow_empty=self.lockstep_group is not None)
+        with _gathered(model):
+            return self._generate(prompts, n, max_new_tokens, temperature, top_p, seed, stops, prompt_offset)
+
+    def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stops, prompt_offset):
+        model = self.model
         dev = model.lm_head.weight.device
+        keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n).to(dev)
         w_out = model.lm_head.weight.float()
         rec = _Recorder(len(keys), max_new_tokens, stops)
 
@@ -204,17 +274,18 @@ class EmbeddedRollout(RolloutEngine):
         h = last_hidden.repeat_interleave(n, 0)
         caches = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in caches]
         pos = lengths.repeat_interleave(n)              # position of the token to sample next
-        width = int(lengths.max())                      # cache columns in use
+        width = int(lengths.max()) if len(prompts) else 0  # cache columns in use
+        tok = torch.zeros(0, dtype=torch.int64, device=dev)
         for step in range(max_new_tokens):
-            logits = F.linear(h.float(), w_out)
-            tok, lp = sample_tokens(logits, step_uniforms(keys[rows], step), temperature, top_p)
-            live = ~rec.record(rows, step, tok.cpu(), lp.cpu())
-            if step + 1 == max_new_tokens:
+            n_live = 0
+            if len(rows):  # none only in lockstep, once this rank's responses have finished
+                logits = F.linear(h.float(), w_out)
+                tok, lp = sample_tokens(logits, keys[rows.to(dev)], step, temperature, top_p, model.tp_group)
+                live = ~rec.record(rows, step, tok.cpu(), lp.cpu())
+                n_live = int(live.sum())
+            if step + 1 == max_new_tokens or self._all_done(n_live, dev):
                 break
-            n_live = int(live.sum())
-            if n_live == 0:
-                break
-            if n_live <= 3 * len(rows) // 4:
+            if len(rows) and n_live <= 3 * len(rows) // 4:
                 keep = live.nonzero().squeeze(1)
                 rows, tok, pos = rows[keep], tok[keep.to(dev)], pos[keep.to(dev)]
                 caches = [(k[keep], v[keep]) for k, v in caches]
@@ -230,6 +301,10 @@ class EmbeddedRollout(RolloutEngine):
         model = self.model
         cfg = model.config
         dev = model.lm_head.weight.device
+        if not prompts:  # lockstep with ranks that have prompts: join their layer gathers
+            self._join_layer_gathers()
+            empty = torch.zeros(0, device=dev)
+            return empty.new_zeros(0, cfg.hidden_size), [(empty, empty)] * len(model.layers), empty.long()
         ids, cu, lengths = _packed(prompts, dev)
         max_len = int(lengths.max())
         S = max_len + max_new_tokens
@@ -239,15 +314,16 @@ class EmbeddedRollout(RolloutEngine):
         cos, sin = rope_cos_sin(cfg, pos_ids, h.dtype)
         caches = []
         for layer in model.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            D = attn.head_dim
-            q = apply_rope(attn.q_proj(x).view(x.shape[0], -1, D), cos, sin)
-            k = apply_rope(attn.k_proj(x).view(x.shape[0], -1, D), cos, sin)
-            v = attn.v_proj(x).view(x.shape[0], -1, D)
-            o = dk.varlen_attention(q, k, v, cu, max_len, causal=True, softmax_scale=D ** -0.5)
-            h = h + attn.o_proj(o.reshape(x.shape[0], -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            with _gathered(layer):
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                D = attn.head_dim
+                q = apply_rope(attn.q_proj(x).view(x.shape[0], -1, D), cos, sin)
+                k = apply_rope(attn.k_proj(x).view(x.shape[0], -1, D), cos, sin)
+                v = attn.v_proj(x).view(x.shape[0], -1, D)
+                o = dk.varlen_attention(q, k, v, cu, max_len, causal=True, softmax_scale=D ** -0.5)
+                h = h + attn.o_proj(o.reshape(x.shape[0], -1))
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             ck = k.new_zeros(len(prompts), k.shape[1], S, D)
             cv = torch.zeros_like(ck)
             ck[seq_of, :, pos_ids] = k
@@ -264,27 +340,44 @@ class EmbeddedRollout(RolloutEngine):
         """
         model = self.model
         N = tok.shape[0]
+        if N == 0:  # lockstep: this rank's responses have finished, its peers' have not
+            self._join_layer_gathers()
+            return torch.zeros(0, model.config.hidden_size, device=tok.device)
         rows = torch.arange(N, device=tok.device)
         h = model.embed_tokens(tok)
         cos, sin = rope_cos_sin(model.config, pos, h.dtype)
         masked = torch.arange(width, device=tok.device)[None, :] > pos[:, None]
         bias = torch.zeros(N, width, dtype=h.dtype, device=h.device).masked_fill_(masked, float("-inf"))
         for layer, (ck, cv) in zip(model.layers, caches):
-            attn = layer.self_attn
-            D = attn.head_dim
-            x = layer.input_layernorm(h)
-            q = apply_rope(attn.q_proj(x).view(N, -1, D), cos, sin)
-            ck[rows, :, pos] = apply_rope(attn.k_proj(x).view(N, -1, D), cos, sin)
-            cv[rows, :, pos] = attn.v_proj(x).view(N, -1, D)
-            kv_heads = ck.shape[1]
-            # GQA without repeating K/V: group the query heads that share a KV head.
-            qg = q.view(N, kv_heads, -1, D)
-            scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * D ** -0.5
-            probs = torch.softmax(scores + bias[:, None, None, :], dim=-1)
-            o = torch.matmul(probs, cv[:, :, :width]).reshape(N, -1)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            with _gathered(layer):
+                attn = layer.self_attn
+                D = attn.head_dim
+                x = layer.input_layernorm(h)
+                q = apply_rope(attn.q_proj(x).view(N, -1, D), cos, sin)
+                ck[rows, :, pos] = apply_rope(attn.k_proj(x).view(N, -1, D), cos, sin)
+                cv[rows, :, pos] = attn.v_proj(x).view(N, -1, D)
+                kv_heads = ck.shape[1]
+                # GQA without repeating K/V: group the query heads that share a KV head.
+                qg = q.view(N, kv_heads, -1, D)
+                scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * D ** -0.5
+                probs = torch.softmax(scores + bias[:, None, None, :], dim=-1)
+                o = torch.matmul(probs, cv[:, :, :width]).reshape(N, -1)
+                h = h + attn.o_proj(o)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         return model.norm(h)
+
+    def _join_layer_gathers(self) -> None:
+        for layer in self.model.layers:
+            with _gathered(layer):
+                pass
+
+    def _all_done(self, n_live: int, device) -> bool:
+        """No live response left here, or under FSDP2 lockstep on any rank (one all-reduce)."""
+        if self.lockstep_group is None:
+            return n_live == 0
+        t = torch.tensor([n_live], device=collective_device(self.lockstep_group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.lockstep_group)
+        return int(t.item()) == 0
 
 
 @torch.inference_mode()
@@ -300,7 +393,7 @@ def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_
     cfg = model.config
     prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
                                          max_model_len or cfg.max_position_embeddings, cfg.vocab_size, prompt_offset)
-    keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n)
+    keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n).to(model.lm_head.weight.device)
     rec = _Recorder(len(keys), max_new_tokens, stops)
     seqs = [list(prompts[k // n]) for k in range(len(keys))]
     rows = torch.arange(len(keys))
@@ -309,7 +402,7 @@ def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_
         live = [seqs[r] for r in rows.tolist()]
         ids, cu, lengths = _packed(live, model.lm_head.weight.device)
         hidden = model(ids, cu, int(lengths.max()))[cu[1:].long() - 1]
-        tok, lp = sample_tokens(F.linear(hidden.float(), w_out), step_uniforms(keys[rows], step), temperature, top_p)
+        tok, lp = sample_tokens(F.linear(hidden.float(), w_out), keys[rows.to(keys.device)], step, temperature, top_p)
         hit = rec.record(rows, step, tok.cpu(), lp.cpu())
         for r, t in zip(rows.tolist(), tok.tolist()):
             seqs[r].append(t)

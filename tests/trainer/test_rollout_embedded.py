@@ -9,7 +9,7 @@ import torch
 
 from dapo_trainer.model import ModelConfig, Transformer
 from dapo_trainer.rollout import FINISH_LENGTH, FINISH_STOP, RolloutConfig, make_rollout, naive_generate
-from dapo_trainer.rollout.embedded import request_keys, sample_tokens, step_uniforms
+from dapo_trainer.rollout.embedded import request_keys, sample_tokens, vocab_uniforms
 from tests.trainer.rollout_checks import V, check_layout, random_prompts, recomputed_log_probs
 
 
@@ -124,22 +124,23 @@ def test_first_token_distribution_is_the_softmax(temperature, top_p):
 
 
 def test_uniforms_are_uniform_and_keyed():
-    keys = request_keys(123, 20000)
-    u = step_uniforms(keys, 5)
-    assert bool(((u > 0) & (u < 1)).all())
+    keys = request_keys(123, 200)
+    u = vocab_uniforms(keys, 5, 0, 100)
+    assert u.shape == (200, 100) and bool(((u > 0) & (u < 1)).all())
     counts = torch.histc(u.float(), bins=20, min=0, max=1)
-    stat, dof = chi2_stat(counts, torch.full((20,), 0.05), 20000)
+    stat, dof = chi2_stat(counts, torch.full((20,), 0.05), u.numel())
     assert stat < chi2_critical(dof)
-    assert not torch.equal(u, step_uniforms(keys, 6)) and not torch.equal(keys, request_keys(124, 20000))
+    assert not torch.equal(u, vocab_uniforms(keys, 6, 0, 100)) and not torch.equal(keys, request_keys(124, 200))
     assert torch.equal(request_keys(123, 7), keys[:7])
+    # A vocabulary shard draws the columns of the whole vocabulary's noise (tensor parallel).
+    assert torch.equal(vocab_uniforms(keys, 5, 40, 30), u[:, 40:70])
 
 
-def test_inverse_cdf_never_picks_zero_probability_tokens():
+def test_gumbel_max_never_picks_zero_probability_tokens():
     logits = torch.full((4, 8), -float("inf"))
     logits[:, 3] = 0.0
-    logits[2, 5] = 1.0
-    u = torch.tensor([1e-17, 0.5, 1 - 2 ** -53, 1 - 2 ** -53], dtype=torch.float64)
-    tok, lp = sample_tokens(logits, u, 1.0, 1.0)
+    logits[2, 5] = 30.0
+    tok, lp = sample_tokens(logits, request_keys(0, 4), 0, 1.0, 1.0)
     assert tok.tolist() == [3, 3, 5, 3]
     assert torch.isfinite(lp).all()
 
@@ -277,9 +278,11 @@ def test_shares_with_prompt_offset_sample_what_the_whole_batch_samples(model, en
     whole = engine.generate(prompts, n, 8, seed=11)
     # Log-probs: computed in batches of other sizes, so equal up to fp32 rounding. Yardstick: the
     # teacher-forced packed recomputation (dk.varlen_attention has no float64); the shares'
-    # deviation from it may be at most 2x the whole batch's.
+    # deviation from it may be at most 2x the whole batch's, with the project's ulp floor (as
+    # assert_close_to_ref): the whole batch can land within an ulp of the recomputation, a share
+    # batched differently a few ulps off (seen on some seeds with a bare 2x).
     ref, *_ = recomputed_log_probs(model, whole, 1.0)
-    bound = 2 * (whole.log_probs - ref).abs().max()
+    bound = 2 * max((whole.log_probs - ref).abs().max(), torch.finfo(torch.float32).eps * ref.abs().max())
     for sampler in (engine.generate, lambda *a, **k: naive_generate(engine.model, *a, **k)):
         parts = [sampler(prompts[lo:hi], n, 8, seed=11, prompt_offset=lo) for lo, hi in ((0, 2), (2, 3), (3, 5))]
         assert torch.equal(torch.cat([p.response_ids for p in parts]), whole.response_ids)

@@ -77,6 +77,8 @@ _F32_DKDV = {16: (64, ((16, 4, 2),)), 32: (16, ((16, 8, 2),)), 64: (32, ((16, 8,
              128: (16, ((16, 8, 2),)), 256: (16, ((16, 8, 1),))}
 _F32_DQ = {16: (64, ((32, 4, 2), (32, 8, 2))), 32: (64, ((32, 8, 2),)), 64: (64, ((16, 8, 2),)),
            **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 1), (16, 4, 1)))}
+# sm_80 allocates the fp32 dQ tiles differently: 1 stage still spilled 16-32 B at D = 96-256.
+_F32_DQ_80 = {**_F32_DQ, **dict.fromkeys((96, 128), (16, ((16, 8, 2),))), 256: (16, ((16, 4, 1),))}
 _SMALL_D = (128, ((64, 4, 3), (64, 8, 3), (128, 8, 3)))
 _GPU_TILES = {
     ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
@@ -94,7 +96,7 @@ _GPU_TILES = {
     ("dkdv", 90, 4): _F32_DKDV,
     ("dkdv", 80, 4): _F32_DKDV,
     ("dq", 90, 4): _F32_DQ,
-    ("dq", 80, 4): _F32_DQ,
+    ("dq", 80, 4): _F32_DQ_80,
     # dK/dV with dQ added by atomics (deterministic=False) holds a dQ tile and its addresses too:
     # rows only where it compiled without spills; elsewhere the dQ kernel runs instead.
     ("dkdv_dq", 90, 2): {d: _F16_DKDV[d] for d in (16, 32, 64)},

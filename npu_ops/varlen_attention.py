@@ -164,7 +164,7 @@ def _check_plain(window_left: int, window_right: int, softcap: float, causal: bo
 
 
 def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1,
-                         softcap=0.0):
+                         softcap=0.0, deterministic=True):
     """``(out [T, Hq, D], lse fp32 [Hq, T] in the op's unit)`` via ``npu_fusion_attention``."""
     _check_plain(window_left, window_right, softcap, causal)
     T, Hq, _ = q.shape
@@ -183,8 +183,9 @@ def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale,
 
 
 def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1,
-                         window_right=-1, softcap=0.0):
-    """``(dq, dk, dv)`` via ``npu_fusion_attention_grad``; dK/dV summed over each KV group by the kernel."""
+                         window_right=-1, softcap=0.0, deterministic=True):
+    """``(dq, dk, dv)`` via ``npu_fusion_attention_grad``; dK/dV summed over each KV group by the kernel.
+    ``deterministic`` (the Triton backward's choice of dQ path) has no NPU counterpart here."""
     _check_plain(window_left, window_right, softcap, causal)
     T, Hq, _ = q.shape
     if T == 0:

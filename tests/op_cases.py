@@ -170,10 +170,12 @@ CASES = [
            ("hidden_states",)),
     OpCase("packed_position_ids", lambda: dict(cu_seqlens=_cu()),
            lambda a: dk.packed_position_ids(a["cu_seqlens"], sum(_LENGTHS))),
-    *(OpCase(f"varlen_attention-{'causal' if c else 'full'}", _attention(c),
-             lambda a: dk.varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens"], a["max_seqlen"],
-                                           causal=a["causal"], return_lse=True), ("q", "k", "v"))
-      for c in (True, False)),
+    # deterministic=False (the default): dQ by atomics in the dK/dV kernel; True: the dQ kernel.
+    *(OpCase(f"varlen_attention-{'causal' if c else 'full'}{'-deterministic' if det else ''}", _attention(c),
+             lambda a, det=det: dk.varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens"], a["max_seqlen"],
+                                                    causal=a["causal"], return_lse=True, deterministic=det),
+             ("q", "k", "v"))
+      for c, det in ((True, False), (False, False), (True, True))),
     OpCase("linear_log_probs", _linear,
            lambda a: dk.linear_log_probs(a["hidden"], a["weight"], a["labels"], temperature=0.9, return_entropy=True),
            ("hidden", "weight")),

@@ -8,13 +8,15 @@
 * Speed (N=16384, H=4096, V=151936 bf16, token-mean DAPO loss, forward + backward):
   the three bf16 matmuls alone (logits, dH, dW: 6*N*H*V FLOPs, the physical limit) vs dk
   Triton, Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (if importable) and naive full fp32
-  logits + log_softmax + autograd; TFLOP/s and peak extra memory for each.
+  logits + log_softmax + autograd; TFLOP/s and peak extra memory for each; for dk, the peak
+  beyond the returned dH / dW (the workspace; goal < 1 GB) beside ``workspace_bytes``' model.
 
 Budget: ~90 s (Triton compilation and the naive 10 GB logits included).
 """
 import torch
 
 import dapo_kernels as dk
+from dapo_kernels.ops.linear_log_probs import workspace_bytes
 from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
 from gpu.common import cuda_time_ms, peak_mem_mb
 
@@ -164,8 +166,12 @@ def _speed(report):
                 ms = cuda_time_ms(run, warmup=1, iters=3)
                 h.grad = w.grad = None
                 mem = peak_mem_mb(run)
-            report.add("fused_loss", case, impl=impl, ms=ms,
-                       metric=f"{flops / ms / 1e9:.0f} TFLOP/s, {ms / base_ms:.2f}x matmuls, peak +{mem:.0f} MiB")
+            metric = f"{flops / ms / 1e9:.0f} TFLOP/s, {ms / base_ms:.2f}x matmuls, peak +{mem:.0f} MiB"
+            if impl.startswith("dk"):
+                grads_mib = (h.numel() * h.element_size() + w.numel() * w.element_size()) / 2**20
+                model_mib = workspace_bytes(N, H, V, h.dtype) / 2**20
+                metric += f" = grads {grads_mib:.0f} + workspace {mem - grads_mib:.0f} (model {model_mib:.0f})"
+            report.add("fused_loss", case, impl=impl, ms=ms, metric=metric)
         except Exception as e:  # Liger / naive out of memory or broken: a row, not a crash
             report.add("fused_loss", case, impl=impl, status="skip" if impl != "dk triton" else "FAIL",
                        note=f"{type(e).__name__}: {e}"[:120])

@@ -1,14 +1,19 @@
 """GPU check of the packing kernels: exactness vs the torch path, GB/s vs copy bandwidth.
 
-B=64, S=4096, hidden 1024 in bf16 and fp32; peer: flash-attn's recipe in plain torch
-(nonzero + gather / zeros + index_put). Budget: ~30 s.
+B=64, S=4096, hidden 1024 in bf16 and fp32, and hidden 4096 in bf16 (a 2 GiB batch); peer:
+flash-attn's recipe in plain torch (nonzero + gather / zeros + index_put). The public ops include
+unpad's one host read; the "kernel" rows time the gather / scatter alone (dapo::index_rows /
+scatter_rows on prepared indices), the bandwidth the kernel itself reaches. Budget: ~40 s.
 """
 import torch
 
 import dapo_kernels as dk
 from gpu.common import copy_bandwidth_gbs, cuda_time_ms
 
-B, S, H = 64, 4096, 1024
+from dapo_kernels.ops.packing import index_rows, scatter_rows
+
+B, S = 64, 4096
+CASES = ((1024, torch.bfloat16), (1024, torch.float32), (4096, torch.bfloat16))
 
 
 def _peer_unpad(x, mask):
@@ -29,14 +34,15 @@ def run(report):
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = torch.randint(S // 8, S + 1, (B,), device="cuda", generator=g)
     mask = torch.arange(S, device="cuda")[None, :] < lens[:, None]
-    for dtype in (torch.bfloat16, torch.float32):
+    for H, dtype in CASES:
         x = torch.randn(B, S, H, device="cuda", dtype=dtype, generator=g)
-        case = f"B{B}-S{S}-H{H}-{str(dtype)[6:]}"
+        case = f"B{B}-S{S}-H{H}-{str(dtype)[6:]} ({x.numel() * x.element_size() / 2**30:.1f} GiB)"
         with dk.use_backend("triton"):
             xu, idx, cu, mx, _ = dk.unpad_input(x, mask)
             back = dk.pad_input(xu, idx, B, S)
         ref_u, ref_idx = _peer_unpad(x, mask)
         ok = torch.equal(xu, ref_u) and torch.equal(idx, ref_idx) and torch.equal(back.reshape(B * S, H), _peer_pad(ref_u, ref_idx))
+        x2d = x.reshape(B * S, H)
         # Bytes each direction must move at least: unpad reads and writes nnz rows; pad
         # reads nnz rows and writes all B*S rows.
         timings = (
@@ -44,6 +50,10 @@ def run(report):
              (("dk triton", lambda: dk.unpad_input(x, mask)), ("nonzero+gather", lambda: _peer_unpad(x, mask)))),
             ("pad_input", (xu.numel() + x.numel()) * x.element_size(),
              (("dk triton", lambda: dk.pad_input(xu, idx, B, S)), ("zeros+index_put", lambda: _peer_pad(xu, idx)))),
+            ("unpad kernel", 2 * xu.numel() * x.element_size(),
+             (("dapo::index_rows", lambda: index_rows(x2d, idx)),)),
+            ("pad kernel", (xu.numel() + x.numel()) * x.element_size(),
+             (("dapo::scatter_rows", lambda: scatter_rows(xu, idx, B * S)),)),
         )
         for op, nbytes, impls in timings:
             for impl, fn in impls:
@@ -52,5 +62,5 @@ def run(report):
                 gbs = nbytes / ms / 1e6
                 report.add(op, case, impl=impl, ms=ms, metric=f"{gbs:.0f} GB/s ({100 * gbs / bw:.0f}% of copy)",
                            status="ok" if ok else "FAIL")
-        # Free this dtype's buffers (the timing lambdas above close over the names: no del).
-        x = xu = back = ref_u = None
+        # Free this case's buffers (the timing lambdas above close over the names: no del).
+        x = x2d = xu = back = ref_u = None

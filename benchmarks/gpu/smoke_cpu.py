@@ -71,7 +71,7 @@ def _small():
         "model": ({"torch.randint(256, 2049, (16,))": "torch.randint(8, 33, (3,))",
                    "[300, 17, 1024, 1]": "[30, 17, 64, 1]"},
                   dict(QWEN25_05B=tiny_model)),
-        "packing": ({}, dict(B=4, S=64, H=16)),
+        "packing": ({}, dict(B=4, S=64, CASES=((16, torch.bfloat16), (16, torch.float32), (32, torch.bfloat16)))),
     }
 
 

@@ -13,7 +13,8 @@ Differences from flash-attn, each a clear error rather than a silent change:
   ``torch._assert_async``), ``k`` / ``v`` the same tokens as ``q``;
 * ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` (paged KV) raise ``NotImplementedError``;
 * ``window_size`` entries are -1 or >= 0 (flash-attn reads any negative number as unbounded);
-* ``deterministic`` is accepted and has no effect: the backward is always deterministic.
+* ``deterministic`` is passed on: ``False`` (the default, as flash-attn) adds dQ with atomics in
+  the Triton backward, ``True`` runs the bitwise-reproducible dQ kernel.
 """
 from __future__ import annotations
 
@@ -63,7 +64,6 @@ def flash_attn_varlen_func(
         raise _unsupported("alibi_slopes", "ALiBi biases are not implemented")
     if block_table is not None:
         raise _unsupported("block_table", "no paged KV cache: pass packed k / v")
-    check_flag("deterministic", deterministic)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32, torch.int64))
     if cu_seqlens_k is not cu_seqlens_q:
         check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32, torch.int64),
@@ -76,5 +76,5 @@ def flash_attn_varlen_func(
                      check_int("max_seqlen_k", max_seqlen_k, minimum=0))
     result = varlen_attention(q, k, v, cu_seqlens_q, max_seqlen, causal=causal, softmax_scale=softmax_scale,
                               return_lse=check_flag("return_attn_probs", return_attn_probs),
-                              window_size=window_size, softcap=softcap)
+                              window_size=window_size, softcap=softcap, deterministic=deterministic)
     return (*result, None) if return_attn_probs else result

@@ -191,7 +191,8 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
 
 @register("varlen_attention_bwd", "torch")
 def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1,
-               window_right=-1, softcap=0.0):
+               window_right=-1, softcap=0.0, deterministic=True):
+    # ``deterministic`` selects the Triton backward's dQ path; torch's CPU kernels have one.
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     lse_nat = lse.t()

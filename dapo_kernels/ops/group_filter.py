@@ -37,12 +37,17 @@ from .._registry import dispatch, register
 from .._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_float, check_int, check_tensor
 from ._triton_utils import cdiv, next_pow2
 
-# Elements per program of the atomics kernels: long coalesced loads, few atomics in flight.
-_BLOCK = 1024
-# Elements per program of the contiguous kernel's [groups, members] tile: fits registers.
-_TILE = 4096
-# A 4096-element float64 tile plus its int64 keys: 8 warps keep it in registers.
-_CONTIG_WARPS = 8
+# Elements per program of the atomics kernels (4 warps): coalesced loads, few atomics in flight.
+# Their launches give ptxas a register budget (maxnreg): left to pick one from the block size,
+# ptxas 13 aims below what the float64 math needs and spills a few bytes (at 1024 elements on
+# sm_80, at 512 on sm_90; benchmarks/gpu/aot.py). Within 128 it allocates 40-90, no spills.
+_BLOCK = 512
+_MAX_REGS = 128
+# Elements per program of the contiguous kernel's [groups, members] tile, over 16 warps: 4 float64
+# values (plus int64 keys and per-group sums) per thread. 4096 over 8 warps spilled for groups of
+# 2 to 16 members (the per-group vectors of 512+ groups), 4096 over 16 warps still for 2 to 8.
+_TILE = 2048
+_CONTIG_WARPS = 16
 # Widest group the contiguous kernel reduces in one tile; wider groups use the atomics path.
 _MAX_CONTIG_GROUP = 4096
 # Order-preserving int64 keys of float64 values: flipping the 63 low bits of negatives
@@ -263,13 +268,14 @@ def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, n
     kmax = torch.full((G,), _KEY_MIN, dtype=torch.int64, device=dev)
     if N:
         grid = (cdiv(N, _BLOCK),)
-        _group_filter_stats_kernel[grid](scores, group_index, cnt, ninv, s, kmin, kmax, flags, N, G, BLOCK=_BLOCK)
-        _group_filter_m2_kernel[grid](scores, group_index, cnt, ninv, s, m2, N, G, BLOCK=_BLOCK)
+        _group_filter_stats_kernel[grid](scores, group_index, cnt, ninv, s, kmin, kmax, flags, N, G, BLOCK=_BLOCK,
+                                         maxnreg=_MAX_REGS)
+        _group_filter_m2_kernel[grid](scores, group_index, cnt, ninv, s, m2, N, G, BLOCK=_BLOCK, maxnreg=_MAX_REGS)
     if max(N, G):
         _group_filter_fwd_kernel[(cdiv(max(N, G), _BLOCK),)](
             scores, group_index, cnt, ninv, s, m2, kmin, kmax,
             _u8(keep), adv, gmean, gstd, _u8(gkeep), gsize, flags,
-            N, G, float(epsilon), float(min_std), NORM=bool(norm_adv_by_std), BLOCK=_BLOCK,
+            N, G, float(epsilon), float(min_std), NORM=bool(norm_adv_by_std), BLOCK=_BLOCK, maxnreg=_MAX_REGS,
         )
     return _finish(outs, flags)
 
@@ -350,6 +356,7 @@ def _overlong_penalty_triton(lengths, expected_len, buf, factor):
     if N:
         _overlong_penalty_fwd_kernel[(cdiv(N, _BLOCK),)](
             lengths.contiguous(), out, N, float(expected_len), float(buf), float(factor), BLOCK=_BLOCK,
+            maxnreg=_MAX_REGS,
         )
     return out
 

@@ -25,15 +25,35 @@ from ._row_stats import (ARG, ENT, LOGP, LSE, NUM_ROWS, NUM_STATS, accumulate_gr
                          row_results, set_exact_entries, token_chunks)
 from ._triton_utils import INTERPRET, cdiv
 
-# GPU backward: the dz buffer of one vocab chunk; 1 GiB keeps the two cuBLAS matmuls large
-# while the extra memory stays far below [N, V] logits (10 GB at N=16k, V=152k).
-_TRITON_DZ_BYTES = 1 << 30
-# Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64.
-_BLOCK_M, _BLOCK_V, _BLOCK_K = 64, 128, 64
+# GPU backward: the dz buffer of one vocab chunk. 256 MiB (8k vocab columns at N = 16k, bf16)
+# keeps the two cuBLAS matmuls large and the workspace under 1 GB at N=16k, H=4096, V=152k
+# (dz + fp32 dH + its addmm result + masked hidden: see workspace_bytes).
+_TRITON_DZ_BYTES = 1 << 28
+# Programs are ordered in groups of row blocks (grouped / "super-grouping" order): the hidden
+# rows of the programs in flight (<= 16 MiB) stay in the H200's 50 MB L2 while every vocab tile
+# streams past them; row-block-fastest order kept all row blocks in flight (64 MB at N = 16k,
+# H = 4096), so each re-read its rows from HBM for every vocab tile.
+_GROUP_BYTES = 16 << 20
+# Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64;
+# fp32 inputs step K by 16: their IEEE products run on the CUDA cores with the operand tiles in
+# registers, which spill at 64 (and at 32 in the backward on sm_90; benchmarks/gpu/aot.py).
+_BLOCK_M, _BLOCK_V = 64, 128
+_BLOCK_K = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
 _NUM_WARPS = 8
 
 
 # --------------------------------------------------------------------------- kernels
+@triton.jit
+def _grouped_pid(i_pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column) of program ``i_pid`` in grouped order: ``GROUP_M`` row blocks walk all
+    ``num_n`` columns before the next group starts; rows fastest inside a group."""
+    i_g = i_pid // (GROUP_M * num_n)
+    first_m = i_g * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    i_in = i_pid % (GROUP_M * num_n)
+    return first_m + i_in % size_m, i_in // size_m
+
+
 @triton.jit
 def _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp,
                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -54,13 +74,12 @@ def _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp,
 
 @triton.jit
 def _linear_log_probs_fwd_kernel(
-    p_h, p_w, p_lab, p_stats, N, V, H, vocab_start, inv_temp, tiles_per_split,
+    p_h, p_w, p_lab, p_stats, N, V, H, vocab_start, inv_temp, tiles_per_split, num_splits,
     ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, NUM_STATS: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, NUM_STATS: tl.constexpr,
 ):
     """Online row statistics over this program's vocab split -> stats[i_s, rows, 0:NUM_STATS]."""
-    i_m = tl.program_id(0)
-    i_s = tl.program_id(1)
+    i_m, i_s = _grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     m_m = o_m < N
     b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
@@ -106,7 +125,7 @@ def _linear_log_probs_bwd_kernel(
     p_h, p_w, p_lab, p_arg, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dzt, p_dza, p_dz,
     N, V, H, vocab_start, inv_temp,
     v0, n_cols, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dz[:, v - v0] = d loss / d logits for vocab columns [v0, v0 + n_cols), recomputed.
 
@@ -120,8 +139,7 @@ def _linear_log_probs_bwd_kernel(
     fp64 logits), not recomputed from fp32 logits. Rows whose ``g_lp`` and ``g_ent`` are both 0
     get ``dz = 0``.
     """
-    i_m = tl.program_id(0)
-    i_v = tl.program_id(1)
+    i_m, i_v = _grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(n_cols, BLOCK_V), GROUP_M)
     o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     m_m = o_m < N
     o_c = i_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -188,6 +206,11 @@ def _dot_flags(dtype: torch.dtype):
     return dict(UPCAST=INTERPRET, PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
+def _group_m(hidden: torch.Tensor) -> int:
+    """Row blocks per group of the grouped program order (see _GROUP_BYTES)."""
+    return max(1, _GROUP_BYTES // (_BLOCK_M * hidden.shape[1] * hidden.element_size()))
+
+
 def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     if device.type != "cuda":
         return min(n_tiles, 2)  # interpreter: exercise the split combine, keep programs few
@@ -206,10 +229,10 @@ def stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
     splits = cdiv(n_tiles, per_split)
     stats = empty_output((splits, n, NUM_STATS), dtype=torch.float64, device=hidden.device)
     if n:
-        _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M), splits)](
-            hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split,
-            ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K,
-            NUM_STATS=NUM_STATS, num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
+        _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M) * splits,)](
+            hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split, splits,
+            ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype],
+            GROUP_M=_group_m(hidden), NUM_STATS=NUM_STATS, num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
         )
     return stats
 
@@ -241,15 +264,32 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
         nc = min(cols, v - v0)
         dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
         if n:
-            _linear_log_probs_bwd_kernel[(cdiv(n, _BLOCK_M), cdiv(nc, _BLOCK_V))](
+            _linear_log_probs_bwd_kernel[(cdiv(n, _BLOCK_M) * cdiv(nc, _BLOCK_V),)](
                 hidden, weight, labels, *args, dz, n, v, h, vocab_start, inv_temp, v0, nc,
-                BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
-                **_dot_flags(hidden.dtype),
+                BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype], GROUP_M=_group_m(hidden),
+                num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
             )
         torch.mm(dz.t(), hidden_live, out=d_w[v0:v0 + nc])
-        # dH sums over vocab chunks: accumulate each chunk's product in fp32.
-        d_h += torch.mm(dz, weight[v0:v0 + nc])
+        d_h = _add_mm_fp32(d_h, dz, weight[v0:v0 + nc])
     return d_h.masked_fill_(dead, 0), d_w
+
+
+def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` with the product accumulated and added in fp32 (``acc`` fp32), never rounded
+    to ``a``'s 16-bit dtype: cuBLAS' fp32-output GEMM (``out_dtype``) where torch has one for the
+    device, else fp32 copies of the operands. dH sums every vocab chunk's product this way."""
+    if a.dtype != torch.float32 and a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype"):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc.addmm_(a.float(), b.float())
+
+
+def workspace_bytes(n: int, h: int, v: int, dtype: torch.dtype) -> int:
+    """Bytes the Triton gradient pass allocates beyond the returned dH / dW: one dz chunk, the
+    fp32 dH accumulator and the addmm result replacing it, the masked hidden copy, the fp64
+    statistics and the small per-row vectors. gpu_check compares it with the measured peak."""
+    item = torch.empty((), dtype=dtype).element_size()
+    cols = min(v, max(_BLOCK_V, _TRITON_DZ_BYTES // (item * max(n, 1)) // _BLOCK_V * _BLOCK_V))
+    return n * cols * item + 2 * n * h * 4 + n * h * item + n * 8 * (NUM_STATS * 4 + 16)
 
 
 # --------------------------------------------------------------------------- custom ops

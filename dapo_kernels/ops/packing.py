@@ -24,10 +24,12 @@ from .._registry import dispatch, register
 from .._validation import check_int, check_mask, check_tensor, cu_seqlens_boundaries, tracing
 from ._triton_utils import cdiv, next_pow2
 
-# Rows per program: enough to hide the row-map load latency, small enough that a
-# [ROWS, BLOCK_F] tile stays in registers.
-_BLOCK_ROWS = 4
-# Widest feature tile: 2048 elements = 4-8 KiB per row per program, long vectorised
+# Elements per program: a [rows, BLOCK_F] tile of 8192 (32 per thread over 8 warps: 64 registers
+# for float64, no spills on sm_80 / sm_90), so narrow rows come many to a program (up to 128
+# rows at F <= 64) and one launch of few programs moves a whole batch; wide rows >= 4 per program.
+_TILE_ELEMS = 8192
+_NUM_WARPS = 8
+# Widest feature tile: 2048 elements = 4-16 KiB per row per program, long vectorised
 # loads; wider rows are split over the grid's second axis.
 _MAX_BLOCK_F = 2048
 
@@ -78,10 +80,11 @@ def _launch_pack_rows(src: torch.Tensor, row_map: torch.Tensor, n_dst_rows: int,
     if n_dst_rows == 0 or n_feat == 0:
         return dst
     block_f = min(next_pow2(n_feat), _MAX_BLOCK_F)
-    grid = (cdiv(n_dst_rows, _BLOCK_ROWS), cdiv(n_feat, block_f))
+    block_r = _TILE_ELEMS // block_f
+    grid = (cdiv(n_dst_rows, block_r), cdiv(n_feat, block_f))
     _pack_rows_fwd_kernel[grid](
         _as_storable(src), _as_storable(dst), row_map, n_dst_rows, n_feat,
-        PAD=pad, BLOCK_R=_BLOCK_ROWS, BLOCK_F=block_f,
+        PAD=pad, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=_NUM_WARPS,
     )
     return dst
 
@@ -249,13 +252,16 @@ def unpad_input(
         head = [count[-1], first.to(count.dtype), last.to(count.dtype)]
     else:
         head = [count.new_zeros(())] * 3
+    # The i-th token sits at the first position whose running count reaches i+1: computed for
+    # every possible i before the read, so that after it (the GPU idles until the host has nnz)
+    # only the gather kernel launches; the first nnz entries are a view.
+    indices = _first_position_reaching(count, flat.numel())
     nnz, lo, hi, max_seqlen = torch.stack(head + [max_len.to(count.dtype)]).tolist()
     if tracing():  # torch.compile: nnz and max_seqlen are unbacked sizes (what unpad guarantees of them)
         torch._check(nnz >= 0)
         torch._check(nnz <= B * S)
         torch._check(max_seqlen >= 0)
-    # The i-th token sits at the first position whose running count reaches i+1.
-    indices = _first_position_reaching(count, nnz)
+    indices = indices[:nnz]
     feat_shape = hidden_states.shape[2:]
     # Explicit widths: reshape(-1) is ambiguous for empty tensors and new_empty would cut the graph.
     x2d = hidden_states.reshape(B * S, feat_shape.numel())

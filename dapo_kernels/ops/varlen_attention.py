@@ -20,6 +20,7 @@ from typing import Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from .._alloc import empty_output
 from .._cache import per_tensor_cache
@@ -36,13 +37,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (the kernels keep scores and lse in base-2 units throughout; see _varlen_attention_fwd).
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# Rows a program owns (outer block): 128 keeps a Hopper SM's tensor cores busy for
-# D <= 128; D = 256 halves it so the Q/acc tiles still fit in registers. The interpreter
-# uses tiny blocks so CPU tests cover several blocks (and partial ones) per sequence.
-_OUTER_BLOCK_GPU = {16: 128, 32: 128, 64: 128, 96: 128, 128: 128, 256: 64}
+# Rows a program owns (outer block) in the interpreter: tiny, so CPU tests cover several blocks
+# (and partial ones) per sequence. The GPU's are in _GPU_TILES.
 _OUTER_BLOCK_INTERPRET = 32
-# Rows of the delta preprocess per program: one [32, D] tile of O and dO.
-_DELTA_ROWS = 32
+# Elements of the delta preprocess per program: [rows, D] tiles of O and dO, multiplied and summed
+# in fp64 over 8 warps (32 rows at D <= 128; 16 at D = 256, where 32 spilled on sm_80).
+_DELTA_ELEMS = 4096
 
 
 def _dtype_meta(dtype: torch.dtype) -> dict:
@@ -57,24 +57,110 @@ def _dtype_meta(dtype: torch.dtype) -> dict:
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-# (inner block, warps, stages): 64-wide tiles with 3 stages is FA2-on-Hopper's usual point;
-# 32-wide for the register-heavy backward and D = 256 (where 64 x 3 stages overflows smem).
-_HOPPER_INNER = ((32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 2))
+# GPU tiles per (kernel, arch family, input element size), by head dim: the outer block (rows a
+# program owns; its work list is built for it) and the (inner block, warps, stages) configs the
+# autotuner times. Each one compiled without register spills, within the chip's shared memory,
+# causal and not, in the AOT sweep (benchmarks/gpu/aot.py; table in benchmarks/RESULTS.md;
+# tests/test_aot_compile.py checks again); every other config is pruned before launch (_prune).
+# Family 90 is Hopper, 80 every other chip (compiled for sm_80). 16-bit inputs on Hopper keep
+# outer blocks >= 64 (wgmma computes 64 rows per warpgroup), except dK/dV and dQ at D = 256: they
+# spill at every such tile, so they run 16- / 32-row blocks on mma.sync. fp32 inputs multiply in IEEE fp32 on
+# the CUDA cores, with whole rows of the operand tiles in registers: small tiles. ptxas allocates
+# differently per head dim (96 is not 128) and per arch, hence the table.
+_F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
+             **dict.fromkeys((96, 128), (64, ((16, 8, 2),))), 256: (16, ((16, 8, 3),))}
+_F32_FWD = {16: (64, ((32, 4, 2), (32, 8, 2))), **dict.fromkeys((32, 64), (64, ((16, 8, 2), (32, 8, 2)))),
+            **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 2),))}
+# fp32 tiles take 1 stage where 2 spilled: without the software pipeline ptxas keeps far fewer
+# registers live (the dQ kernel at D = 128: 80 instead of 255 + 232 B of stack).
+_F32_DKDV = {16: (64, ((16, 4, 2),)), 32: (16, ((16, 8, 2),)), 64: (32, ((16, 8, 2),)), 96: (16, ((16, 8, 1),)),
+             128: (16, ((16, 8, 2),)), 256: (16, ((16, 8, 1),))}
+_F32_DQ = {16: (64, ((32, 4, 2), (32, 8, 2))), 32: (64, ((32, 8, 2),)), 64: (64, ((16, 8, 2),)),
+           **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 1), (16, 4, 1)))}
+# sm_80 allocates the fp32 dQ tiles differently: 1 stage still spilled 16-32 B at D = 96-256.
+_F32_DQ_80 = {**_F32_DQ, **dict.fromkeys((96, 128), (16, ((16, 8, 2),))), 256: (16, ((16, 4, 1),))}
+_SMALL_D = (128, ((64, 4, 3), (64, 8, 3), (128, 8, 3)))
+_GPU_TILES = {
+    ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
+                     **dict.fromkeys((96, 128), (128, ((64, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
+                     **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("dkdv", 90, 2): _F16_DKDV,
+    ("dkdv", 80, 2): _F16_DKDV,
+    ("dq", 90, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3), (128, 8, 3))), 64: (128, ((32, 4, 3), (64, 8, 3))),
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
+    ("dq", 80, 2): {16: _SMALL_D, **dict.fromkeys((32, 64), (128, ((32, 8, 3), (64, 8, 3)))),
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
+    ("fwd", 90, 4): _F32_FWD,
+    ("fwd", 80, 4): _F32_FWD,
+    ("dkdv", 90, 4): _F32_DKDV,
+    ("dkdv", 80, 4): _F32_DKDV,
+    ("dq", 90, 4): _F32_DQ,
+    ("dq", 80, 4): _F32_DQ_80,
+    # dK/dV with dQ added by atomics (deterministic=False) holds a dQ tile and its addresses too:
+    # rows only where it compiled without spills; elsewhere the dQ kernel runs instead.
+    ("dkdv_dq", 90, 2): {d: _F16_DKDV[d] for d in (16, 32, 64)},
+    ("dkdv_dq", 80, 2): {d: _F16_DKDV[d] for d in (32, 64)},
+    ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32, 64, 96)},
+    ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32, 64, 96)},
+}
+# The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
+TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # LPT order of the work lists; False keeps (sequence, block) order (GPU check compares).
 _LONGEST_FIRST = True
+_ARCH_FAMILY = {}
 
 
-def _inner_configs(name: str):
-    """Autotune space of the inner (streamed) block; the interpreter gets one small config
+def _arch_family() -> int:
+    """90 on Hopper, else 80: the _GPU_TILES family of the GPU Triton compiles for."""
+    device = driver.active.get_current_device()
+    if device not in _ARCH_FAMILY:
+        _ARCH_FAMILY[device] = 90 if driver.active.get_current_target().arch == 90 else 80
+    return _ARCH_FAMILY[device]
+
+
+def _tile_dim(head_dim: int) -> int:
+    """The _GPU_TILES row of a head dim: the smallest tabled one >= it (same BLOCK_D; 96 is
+    tabled apart from 128 because ptxas allocates them differently)."""
+    return next(d for d in TILE_HEAD_DIMS if d >= head_dim)
+
+
+def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
+    """(outer block, ((inner block, warps, stages), ...)) of ``kernel`` for these inputs on this GPU."""
+    return _GPU_TILES[kernel, _arch_family(), dtype.itemsize][_tile_dim(head_dim)]
+
+
+def _inner_configs(kernel: str, name: str):
+    """Autotune space of the inner (streamed) block ``name``: every config _GPU_TILES has for
+    ``kernel`` (each launch is pruned to its own); the interpreter gets one small config
     (autotuning interpreted kernels would run every config on the CPU)."""
     if INTERPRET:
         return [triton.Config({name: 16}, num_warps=1, num_stages=1)]
-    # Four Hopper candidates (each costs a compile at the first call per key).
-    return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in _HOPPER_INNER]
+    tiles = {c for (k, _, _), by_d in _GPU_TILES.items() if k.split("_")[0] == kernel
+             for _, cs in by_d.values() for c in cs}
+    return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in sorted(tiles)]
 
 
-def _outer_block(head_dim: int) -> int:
-    return _OUTER_BLOCK_INTERPRET if INTERPRET else _OUTER_BLOCK_GPU[_block_d(head_dim)]
+def _prune(kernel: str, name: str) -> dict:
+    """``prune_configs_by``: keep the configs _GPU_TILES lists for this launch's arch, dtype and
+    head dim. The autotune key holds all three (HEAD_DIM, DOT_T; one arch per process)."""
+    def early_config_prune(configs, named_args, **kwargs):
+        if INTERPRET:
+            return configs
+        tiles = kernel + "_dq" if kwargs.get("ATOMIC_DQ") else kernel  # dK/dV with atomic dQ: its own
+        offered = _tiles(tiles, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
+        return [c for c in configs if (c.kwargs[name], c.num_warps, c.num_stages) in offered]
+    return {"early_config_prune": early_config_prune}
+
+
+def _outer_block(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
+    return _OUTER_BLOCK_INTERPRET if INTERPRET else _tiles(kernel, dtype, head_dim)[0]
+
+
+def _atomic_dq_offered(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether dQ by atomics (deterministic=False) has a tile for these inputs on this GPU: where
+    none compiles without spills (_GPU_TILES has no "dkdv_dq" row), the dQ kernel runs instead."""
+    return INTERPRET or _tile_dim(head_dim) in _GPU_TILES["dkdv_dq", _arch_family(), dtype.itemsize]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -158,7 +244,16 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
         if MASK_CAUSAL or MASK_WINDOW:
             b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
-        b_s, _ = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
+        # Without SOFTCAP the scores stay raw: the scale enters once per row through the max
+        # (qk_scale > 0, so max(s) * scale is the max of the scaled scores) and once per element
+        # inside exp2's argument, s * scale - m, one FMA (scaling Q instead would round Q once
+        # more in 16 bits). Soft-capped scores come scaled (b_scale = 1).
+        if SOFTCAP:
+            b_s, _ = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
+            b_scale = 1.0
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+            b_scale = qk_scale
         if MASK_WINDOW:
             b_s = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L),
                            b_s, float("-inf"))
@@ -166,14 +261,14 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
             b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
         elif MASK_LEN:
             b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
         if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
             # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
             # gives p = 0 and alpha = 0 rather than exp2(-inf + inf) = NaN.
             b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         else:
             b_shift = b_m_new
-        b_p = tl.exp2(b_s - b_shift[:, None])
+        b_p = tl.exp2(b_s * b_scale - b_shift[:, None])
         b_alpha = tl.exp2(b_m - b_shift)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         # P is rounded to the input dtype as flash attention does, then fed as DOT_T.
@@ -183,7 +278,8 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
     return b_acc, b_l, b_m
 
 
-@triton.autotune(configs=_inner_configs("BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL"])
+@triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
+                 prune_configs_by=_prune("fwd", "BLOCK_N"))
 @triton.jit
 def _varlen_attention_fwd_kernel(
     p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
@@ -253,25 +349,29 @@ def _varlen_attention_fwd_kernel(
 @triton.jit
 def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, T, Hq,
                                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] in fp32, over rows r = t * Hq + h."""
+    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32), over rows r = t * Hq + h."""
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < T * Hq
     m = m_r[:, None] & (o_d < HEAD_DIM)[None, :]
-    b_o = tl.load(p_o + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_do = tl.load(p_do + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1), mask=m_r)
+    # fp64 products and sum, rounded once: delta's error reaches dQ / dK as delta_err * sum_j p_j k_j,
+    # a term that does not cancel (it is ~0 in plain softmax backward, which sums p * dP from the
+    # same p), so it is kept to the rounding of O and of delta itself. Memory-bound: fp64 is free.
+    b_o = tl.load(p_o + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
+    b_do = tl.load(p_do + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
+    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1).to(tl.float32), mask=m_r)
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, lo, hi, L, qk_scale, cap,
-                win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr,
-                PREC: tl.constexpr, INTERPRET: tl.constexpr):
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L, qk_scale,
+                sm_scale, cap, win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr,
+                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
-    score mask needed for the length."""
+    score mask needed for the length. ``ATOMIC_DQ``: also add this key block's share of dQ,
+    dS @ K * scale, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_M):
@@ -297,22 +397,33 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, stride_q, o_n, 
         b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]), b_tt, SOFTCAP)
         if MASK_CAUSAL or MASK_WINDOW:  # a query's NaN lse / delta must not reach the keys it does not attend
             b_dst = tl.where(m_att, b_dst, 0.0)
-        b_dk += tl.dot(_cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T), b_q, input_precision=PREC)
+        b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
+        b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
+        if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
+            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
+            tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
 
 
-@triton.autotune(configs=_inner_configs("BLOCK_M"), key=["HEAD_DIM", "IS_CAUSAL"])
+# reset_to_zero: timing a config adds into the dQ buffer (ATOMIC_DQ); the autotuner zeroes it
+# before each timed run and before the run that counts.
+@triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"),
+                 key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "ATOMIC_DQ", "DOT_T"],
+                 prune_configs_by=_prune("dkdv", "BLOCK_M"), reset_to_zero=["p_dq"])
 @triton.jit
 def _varlen_attention_bwd_dkdv_kernel(
-    p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
+    p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_dq, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
     cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dK, dV of one (key block, KV head): loops over the GROUP query heads sharing the KV
     head and over their query blocks, summing in registers; one writer per element, so
-    the result is deterministic and needs no atomics or zero-init."""
+    dK / dV are deterministic and need no atomics or zero-init. ``ATOMIC_DQ`` (flash-attn's
+    ``deterministic=False``): dQ too, added with fp32 atomics into the zeroed buffer ``p_dq``
+    (5 matmuls per tile pair in all instead of 7 with the separate dQ kernel; the order of the
+    atomic adds, hence dQ's last bits, varies from run to run)."""
     i_pid = tl.program_id(0)
     i_w = i_pid // Hkv
     i_hk = i_pid % Hkv
@@ -330,6 +441,12 @@ def _varlen_attention_bwd_dkdv_kernel(
     m_kv = (o_n < L)[:, None] & (o_d < HEAD_DIM)[None, :]
     o_kv = (bos + o_n)[:, None] * stride_kv + i_hk * HEAD_DIM + o_d[None, :]
     b_k = tl.load(p_k + o_kv, mask=m_kv, other=0.0).to(DOT_T)
+    if (IS_CAUSAL or LOCAL) and ATOMIC_DQ:
+        # dQ += dS @ K over a masked tile reaches queries that do not attend every key of the
+        # block: a non-finite key would make their zero dS NaN. Zeroed once here (not per tile,
+        # which would keep a second K tile live): such a key's own dK / dV rows change from NaN to
+        # finite, and the op marks them NaN anyway (its own query attends it and is marked).
+        b_k = _finite_or_zero(b_k)
     b_v = tl.load(p_v + o_kv, mask=m_kv, other=0.0).to(DOT_T)
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -342,20 +459,21 @@ def _varlen_attention_bwd_dkdv_kernel(
         p_doh = p_do + bos * stride_q + i_h * HEAD_DIM
         p_lseh = p_lse + i_h * T + bos
         p_deltah = p_delta + i_h * T + bos
+        p_dqh = p_dq + bos * stride_q + i_h * HEAD_DIM
         if LOCAL:  # sliding window: the queries that see some key of the block, all masked
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, stride_q, o_n,
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
                                      tl.maximum(i_n * BLOCK_N - win_right, 0),
                                      tl.minimum(i_n * BLOCK_N + BLOCK_N + win_left, L), L,
-                                     qk_scale, cap, win_left, win_right,
-                                     False, True, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+                                     qk_scale, sm_scale, cap, win_left, win_right, False, True, SOFTCAP, ATOMIC_DQ,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
         else:
             if IS_CAUSAL:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, stride_q, o_n,
-                                         lo, mid, L, qk_scale, cap, win_left, win_right,
-                                         True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, stride_q, o_n,
-                                     mid, L, L, qk_scale, cap, win_left, win_right,
-                                     False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q,
+                                         o_n, lo, mid, L, qk_scale, sm_scale, cap, win_left, win_right, True, False,
+                                         SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                                     mid, L, L, qk_scale, sm_scale, cap, win_left, win_right, False, False,
+                                     SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
     tl.store(p_dk + o_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET), mask=m_kv)
     tl.store(p_dv + o_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET), mask=m_kv)
 
@@ -391,7 +509,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi,
     return b_dq
 
 
-@triton.autotune(configs=_inner_configs("BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL"])
+@triton.autotune(configs=_inner_configs("dq", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
+                 prune_configs_by=_prune("dq", "BLOCK_N"))
 @triton.jit
 def _varlen_attention_bwd_dq_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_cu, p_work, T, Hq, GROUP, qk_scale, sm_scale,
@@ -504,7 +623,7 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_l
     lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    block = _outer_block(D)
+    block = _outer_block("fwd", q.dtype, D)
     work = _work_list(cu_seqlens, T, block, causal, False)
     scalars, flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
     _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
@@ -517,15 +636,16 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_l
 def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     T, Hq, D = out.shape
     delta = empty_output((Hq, T), dtype=torch.float32, device=out.device)
-    _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, _DELTA_ROWS),)](
-        out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=_DELTA_ROWS,
+    rows = min(32, _DELTA_ELEMS // _block_d(D))
+    _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, rows),)](
+        out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=rows, num_warps=8,
     )
     return delta
 
 
 @register("varlen_attention_bwd", "triton")
 def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right,
-                softcap):
+                softcap, deterministic=True):
     dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -534,15 +654,23 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     dv = empty_output(v.shape, dtype=v.dtype, device=v.device)
     if T == 0:
         return dq, dk, dv
-    block = _outer_block(D)
     delta = _launch_delta(out, dout)
     (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
     scales = (qk_scale, softmax_scale, *masking)
+    atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
+    # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
+    dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+              ).zero_() if atomic else dq
+    block = _outer_block("dkdv_dq" if atomic else "dkdv", q.dtype, D)
     work_kv = _work_list(cu_seqlens, T, block, causal, True)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block, **meta,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,
+        ATOMIC_DQ=atomic, **meta,
     )
+    if atomic:
+        return (dq if dq_acc is dq else dq.copy_(dq_acc)), dk, dv
+    block = _outer_block("dq", q.dtype, D)
     work_q = _work_list(cu_seqlens, T, block, causal, False)
     _varlen_attention_bwd_dq_kernel[(work_q.shape[0] * Hq,)](
         q, k, v, dout, lse, delta, dq, cu_seqlens, work_q, T, Hq, Hq // Hkv, *scales, BLOCK_M=block, **meta,
@@ -582,7 +710,7 @@ def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, windo
 def _varlen_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     max_seqlen: int, causal: bool, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-    softcap: float = 0.0,
+    softcap: float = 0.0, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
 
@@ -590,7 +718,8 @@ def _varlen_attention_fwd(
     probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
     Triton, natural log for the torch path (torch's CPU kernels) and for out-of-tree kernels
     (e.g. npu_ops, which run whatever backend is forced). The public function converts to
-    natural log; autograd runs the backward on the forward's backend.
+    natural log; autograd runs the backward on the forward's backend, with ``deterministic``
+    (which the forward does not use).
 
     NaN in, NaN out, whatever the backend's block sizes: the rows of ``out`` and ``lse`` of a
     query whose ``q``, or the ``k`` / ``v`` of a key it attends, hold a NaN or inf are NaN, and
@@ -606,7 +735,8 @@ def _varlen_attention_fwd(
 
 
 @_varlen_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+      deterministic=True):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -614,16 +744,18 @@ def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, wi
 def _varlen_attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, softmax_scale: float,
-    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``; grouped query heads' dK/dV are summed into their KV head.
+    ``deterministic=False`` lets the Triton backend add dQ with fp32 atomics (faster, last bits
+    vary between runs); the torch path is deterministic either way.
 
     A query whose ``lse`` is NaN (the forward's mark of a non-finite input it depends on) or whose
     ``dout`` holds a NaN or inf gets NaN ``dq``, and the keys it attends NaN ``dk`` / ``dv``; nothing
     else does (the backends read non-finite values as 0 where they are not attended)."""
     window = (window_left, window_right)
     dq, dk, dv = dispatch("varlen_attention_bwd", q.device)(
-        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, *window, softcap
+        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, *window, softcap, deterministic
     )
     T, Hq, _ = q.shape
     bad = lse.isnan().t() | _nonfinite_rows(dout)
@@ -635,7 +767,7 @@ def _varlen_attention_bwd(
 
 @_varlen_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1,
-      softcap=0.0):
+      softcap=0.0, deterministic=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -703,6 +835,7 @@ def varlen_attention(
     return_lse: bool = False,
     window_size: Tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    deterministic: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention inside each packed sequence (flash-attn ``flash_attn_varlen_func`` semantics).
 
@@ -723,6 +856,11 @@ def varlen_attention(
             -1 = unbounded on that side; with ``causal`` the right side is 0 whatever is given.
         softcap: logit soft-capping (flash-attn's, Gemma 2): scores become
             ``softcap * tanh(softmax_scale * q.k / softcap)``; 0 = off.
+        deterministic: flash-attn's flag, same default. ``False``: the Triton backward adds dQ
+            with fp32 atomics inside the dK/dV kernel (5 matmuls per tile pair, not 7; where the
+            GPU has no spill-free tile for that, the dQ kernel runs anyway); its last bits may
+            differ between runs. ``True``: a separate dQ kernel, bitwise reproducible. The
+            torch (CPU) path is deterministic either way.
 
     ``D`` must be a multiple of 8 up to 256 (``SUPPORTED_HEAD_DIMS``).
 
@@ -734,7 +872,7 @@ def varlen_attention(
         TypeError / ValueError naming the argument, before any work (see
         :mod:`dapo_kernels._validation`). Validating ``cu_seqlens`` costs one host sync.
 
-    Differentiable for ``q``, ``k``, ``v``; the backward is deterministic.
+    Differentiable for ``q``, ``k``, ``v``.
 
     NaN / inf: a query's ``out`` / ``lse`` / ``dq`` rows are NaN when its ``q``, or the ``k`` / ``v``
     of a key it attends (its sequence; causal: that key and the earlier ones), hold a NaN or inf,
@@ -749,9 +887,10 @@ def varlen_attention(
     scale = _check_scale(softmax_scale, q.shape[2])
     window = check_window(window_size)
     softcap = check_softcap(softcap)
+    deterministic = check_flag("deterministic", deterministic)
     out, lse = _varlen_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.to(torch.int32).contiguous(),
-        max_seqlen, causal, scale, *window, softcap,
+        max_seqlen, causal, scale, *window, softcap, deterministic,
     )
     if not return_lse:
         return out

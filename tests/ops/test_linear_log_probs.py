@@ -82,3 +82,22 @@ def test_empty_tokens(be):
     with backend(be):
         lp, ent = dk.linear_log_probs(hidden, weight, torch.zeros(0, dtype=torch.long), return_entropy=True)
     assert lp.shape == ent.shape == (0,)
+
+
+@pytest.mark.parametrize("group_blocks", [1, 2, 3])
+def test_grouped_program_order_covers_every_tile_once(group_blocks, monkeypatch):
+    """The Triton kernels map programs to (row block, vocab tile / split) in grouped order: with 1,
+    2 or 3 row blocks per group (the last group partial: 5 row blocks of 64) every tile is computed
+    once, giving bitwise the result of one group spanning all rows."""
+    import dapo_kernels.ops.linear_log_probs as llp
+    hidden, weight, labels = make_linear(64 * 4 + 7, 16, 3 * llp._BLOCK_V + 5, torch.float32)
+    cot = (torch.randn(hidden.shape[0]), torch.randn(hidden.shape[0]))
+    run = lambda: grads_of(lambda h, w: dk.linear_log_probs(h, w, labels, return_entropy=True),  # noqa: E731
+                           hidden, weight, *cot)
+    with backend("triton"):
+        (lp, ent), dh, dw = run()
+        monkeypatch.setattr(llp, "_GROUP_BYTES", group_blocks * llp._BLOCK_M * 16 * 4)
+        assert llp._group_m(hidden) == group_blocks
+        (lp2, ent2), dh2, dw2 = run()
+    for a, b in ((lp, lp2), (ent, ent2), (dh, dh2), (dw, dw2)):
+        assert torch.equal(a, b)

@@ -45,6 +45,7 @@ CASES += [
     (3, 11, (4, 5), torch.float16, "right"),      # multi-dim features
     (2, 13, (2049,), torch.bfloat16, "left"),     # wider than one feature tile, odd
     (4, 8, (64,), torch.float64, "holes"),
+    (9, 700, (3,), torch.float32, "mixed"),      # narrow rows: 2048 per program, several programs
     (2, 6, (3,), torch.int64, "right"),           # input_ids-style integer payload
     (3, 4, (1,), torch.bool, "holes"),
     (0, 5, (3,), torch.float32, "ones"),          # B = 0

@@ -13,8 +13,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 import dapo_kernels as dk
+import dapo_kernels.ops.varlen_attention as va
 from dapo_kernels.ops.varlen_attention import _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
@@ -63,9 +65,12 @@ def _inputs(lengths, D, Hq, Hkv, dtype):
 
 
 def _run(impl, q, k, v, cu, max_seqlen, causal, scale, **kw):
-    with backend(impl):
+    """``impl``: a backend name, or ``triton-deterministic`` (the Triton backward's dQ kernel
+    instead of the default atomic dQ)."""
+    name, _, det = impl.partition("-")
+    with backend(name):
         out, lse = dk.varlen_attention(q, k, v, cu, max_seqlen, causal=causal, softmax_scale=scale, return_lse=True,
-                                       **kw)
+                                       deterministic=bool(det), **kw)
         dout = torch.randn_like(out)
         grads = _grads(out, q, k, v, dout)
     return out, lse, grads, dout
@@ -82,9 +87,9 @@ def _ref(q, k, v, cu, causal, scale, dout, compute_dtype, **kw):
     return (out, lse) + _grads(out, q, k, v, dout)
 
 
-def _sdpa_padded(q, k, v, cu, causal, scale, dout):
+def _sdpa_padded(q, k, v, cu, causal, scale, dout, window=(-1, -1)):
     """(out, dq, dk, dv) of torch's fused SDPA on the zero-padded [B, H, S, D] batch with a
-    key-padding (and causal) mask, in the inputs' dtype: what a torch user runs."""
+    key-padding (and causal, and sliding-window) mask, in the inputs' dtype: what a torch user runs."""
     spans = [(s, e) for s, e in zip(cu.tolist()[:-1], cu.tolist()[1:]) if e > s]
     if not spans:
         out = q * 0
@@ -100,6 +105,10 @@ def _sdpa_padded(q, k, v, cu, causal, scale, dout):
     mask = (pos[None, :] < torch.tensor([e - s for s, e in spans])[:, None])[:, None, None, :]
     if causal:
         mask = mask & (pos[None, :] <= pos[:, None])
+    if window[0] >= 0:
+        mask = mask & (pos[None, :] >= pos[:, None] - window[0])
+    if window[1] >= 0 and not causal:
+        mask = mask & (pos[None, :] <= pos[:, None] + window[1])
     o = F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=scale, enable_gqa=True)
     out = torch.cat([o[i, :, : e - s].transpose(0, 1) for i, (s, e) in enumerate(spans)])
     return (out,) + _grads(out, q, k, v, dout)
@@ -119,20 +128,22 @@ def _sdpa_per_sequence(q, k, v, cu, causal, scale, dout):
     return (out,) + _grads(out, q, k, v, dout)
 
 
-def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64):
+def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64, window=(-1, -1)):
     """Plain torch in the inputs' dtype, for the tolerance: per quantity, the least accurate
     of torch's usual ways (naive softmax attention, flash-attn's test convention; fused SDPA
     on the padded batch and on each sequence alone, whose CPU kernel approximates exp in
     fp32 and whose rounding depends on the padded length). SDPA has no lse, so lse is
-    naive only."""
-    naive = _ref(q, k, v, cu, causal, scale, dout, q.dtype)
-    ways = (naive[:1] + naive[2:], _sdpa_padded(q, k, v, cu, causal, scale, dout),
-            _sdpa_per_sequence(q, k, v, cu, causal, scale, dout))
+    naive only. With a sliding ``window`` the padded SDPA gets it in its mask (the per-sequence
+    call has no mask)."""
+    naive = _ref(q, k, v, cu, causal, scale, dout, q.dtype, window_size=window)
+    ways = (naive[:1] + naive[2:], _sdpa_padded(q, k, v, cu, causal, scale, dout, window))
+    if window == (-1, -1):
+        ways += (_sdpa_per_sequence(q, k, v, cu, causal, scale, dout),)
     worse = [max(cands, key=lambda t, r=r: max_abs_err(t, r)) for cands, r in zip(zip(*ways), ref64[:1] + ref64[2:])]
     return (worse[0], naive[1]) + tuple(worse[1:])
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "triton-deterministic"])
 @pytest.mark.parametrize(
     "D,Hq,Hkv,causal,dtype,kind", CASES,
     ids=[case_id(D=c[0], Hq=c[1], Hkv=c[2], causal=c[3], dtype=c[4], L=c[5]) for c in CASES],
@@ -169,7 +180,7 @@ LOCAL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "triton-deterministic"])
 @pytest.mark.parametrize(
     "D,Hq,Hkv,causal,dtype,kind,window,softcap", LOCAL_CASES,
     ids=[case_id(D=c[0], Hq=c[1], Hkv=c[2], causal=c[3], dtype=c[4], L=c[5], W="_".join(map(str, c[6])),
@@ -183,7 +194,13 @@ def test_window_softcap_head_dims_match_reference(impl, D, Hq, Hkv, causal, dtyp
     kw = dict(window_size=window, softcap=softcap)
     out, lse, grads, dout = _run(impl, q, k, v, cu, max(lengths), causal, None, **kw)
     ref = _ref(q, k, v, cu, causal, None, dout, torch.float64, **kw)
-    low = _ref(q, k, v, cu, causal, None, dout, dtype, **kw)
+    # Torch's error: its naive softmax, and without soft-capping (which SDPA lacks) also SDPA with
+    # the window in its mask. The flash-style backward computes delta = dO . O (O rounded): its
+    # rounding reaches dq as delta_err * sum_j p_j k_j, which no longer cancels when a query
+    # sees 2 keys (window (1, -1)); naive softmax's backward sums p * dP from the same p and
+    # lacks that term, so alone it understated what torch's own flash kernel does.
+    low = (_torch_in_dtype(q, k, v, cu, causal, None, dout, ref, window) if not softcap
+           else _ref(q, k, v, cu, causal, None, dout, dtype, **kw))
     assert out.dtype == dtype and lse.shape == (Hq, q.shape[0])
     for name, got, r, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + grads, ref, low):
         assert_close_to_ref(got, r, t.float() if name == "lse" else t, name=name)
@@ -267,9 +284,9 @@ def test_no_tokens(impl, causal):
 
 def test_triton_backward_is_deterministic():
     q, k, v, cu = _inputs([37, 1, 0, 20], 32, 4, 1, BF16)
-    out, _, grads, dout = _run("triton", q, k, v, cu, 37, True, None)
+    out, _, grads, dout = _run("triton-deterministic", q, k, v, cu, 37, True, None)
     with backend("triton"):
-        again = torch.autograd.grad(dk.varlen_attention(q, k, v, cu, 37), (q, k, v), dout)
+        again = torch.autograd.grad(dk.varlen_attention(q, k, v, cu, 37, deterministic=True), (q, k, v), dout)
     for g, h in zip(grads, again):
         assert torch.equal(g, h)
 
@@ -307,6 +324,45 @@ def test_matches_padded_sdpa():
         torch.testing.assert_close(got, want)
 
 
+# --------------------------------------------------------------------------- GPU tiles
+_TILE_PAIRS = sorted({(outer, inner) for by_d in va._GPU_TILES.values() for outer, cs in by_d.values()
+                      for inner, _, _ in cs})
+_GPU_ONLY_PAIRS = [p for p in _TILE_PAIRS if p != (va._OUTER_BLOCK_INTERPRET, 16)]  # 32 / 16: every test
+
+
+def test_gpu_tiles_cover_every_head_dim_and_nest():
+    """Every arch family / dtype / head dim has tiles, and each inner block divides its outer
+    block (the causal kernels walk the diagonal block in inner steps)."""
+    for kernel in ("fwd", "dkdv", "dq"):
+        for arch in (90, 80):
+            for dtype in va._DTYPES:
+                by_d = va._GPU_TILES[kernel, arch, dtype.itemsize]
+                assert set(va.TILE_HEAD_DIMS) <= set(by_d), (kernel, arch, dtype)
+    assert all(va._tile_dim(d) >= d for d in va.SUPPORTED_HEAD_DIMS) and va.TILE_HEAD_DIMS[-1] == 256
+    assert all(outer % inner == 0 for outer, inner in _TILE_PAIRS), _TILE_PAIRS
+
+
+@pytest.mark.parametrize("outer,inner", _GPU_ONLY_PAIRS, ids=[f"outer{o}-inner{i}" for o, i in _GPU_ONLY_PAIRS])
+def test_gpu_tile_shapes_match_reference(outer, inner, monkeypatch):
+    """The interpreter runs 32 / 16 blocks; the GPU's (outer, inner) pairs of _GPU_TILES run
+    here too, so a tile shape only the GPU uses (inner = outer, 4 or 8 inner steps per outer
+    block) is proven on the CPU: sequences span several outer blocks, partial ones included."""
+    monkeypatch.setattr(va, "_OUTER_BLOCK_INTERPRET", outer)
+    for kernel, name in ((va._varlen_attention_fwd_kernel, "BLOCK_N"),
+                         (va._varlen_attention_bwd_dkdv_kernel, "BLOCK_M"), (va._varlen_attention_bwd_dq_kernel, "BLOCK_N")):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({name: inner}, num_warps=1, num_stages=1)])
+    lengths = [2 * outer + inner // 2 + 3, 0, 1, outer - 1, 5]
+    for causal in (True, False):
+        q, k, v, cu = _inputs(lengths, 16, 2, 1, FP32)
+        out, lse, grads, dout = _run("triton", q, k, v, cu, max(lengths), causal, None)
+        ref = _ref(q, k, v, cu, causal, None, dout, torch.float64)
+        low = _torch_in_dtype(q, k, v, cu, causal, None, dout, ref)
+        assert_close_to_ref(out, ref[0], low[0], name="out")
+        assert_close_to_ref(lse, ref[1], low[1].float(), name="lse")
+        for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
+            assert_close_to_ref(g, r, t, name=name)
+
+
 # --------------------------------------------------------------------------- bad input
 def _good():
     q, k, v, cu = _inputs([3, 0, 2], 32, 4, 2, BF16)
@@ -314,7 +370,8 @@ def _good():
 
 
 def _call(args):
-    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse", "window_size", "softcap") if n in args}
+    kw = {n: args.pop(n) for n in ("causal", "softmax_scale", "return_lse", "window_size", "softcap", "deterministic")
+          if n in args}
     return dk.varlen_attention(args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"], **kw)
 
 
@@ -344,6 +401,7 @@ BAD = [
     ("q-type", lambda g: dict(q=g["q"].tolist()), TypeError, "q must be a torch.Tensor"),
     ("max-seqlen-type", lambda g: dict(max_seqlen=3.0), TypeError, "max_seqlen must be an int"),
     ("causal-type", lambda g: dict(causal=1), TypeError, "causal must be a bool"),
+    ("deterministic-type", lambda g: dict(deterministic=None), TypeError, "deterministic must be a bool"),
     ("scale", lambda g: dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a finite positive"),
     ("scale-type", lambda g: dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
 ]

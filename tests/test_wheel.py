@@ -1,5 +1,7 @@
 """The package as users get it (issue 19 item 5): build the wheel, install it into a fresh venv and
-import from it, away from the source tree. Slow (compiles dapo_kernels._C): marked ``wheel``."""
+import from it, away from the source tree, then run the demo from it. Slow (compiles
+dapo_kernels._C): marked ``wheel``."""
+import re
 import os
 import subprocess
 import sys
@@ -50,15 +52,29 @@ def test_wheel_installs_and_imports(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([py, "-m", "venv", str(venv)], check=True, timeout=300, env=env)
     vpy = venv / "bin" / "python"
-    subprocess.run([str(vpy), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
-                   timeout=300, env=env)
-    # torch / numpy / triton come from this interpreter's site-packages, after the venv's own
-    # (this machine cannot download them): a plain path line in a .pth, so that directory's own
-    # .pth files (an editable install of the source tree, say) are not run.
+    # torch / numpy / triton and the trainer extra's packages come from this interpreter's
+    # site-packages, after the venv's own (this machine cannot download them): a plain path line
+    # in a .pth, so that directory's own .pth files (an editable install of the source tree, say)
+    # are not run. pip sees them as installed, so "wheel[trainer]" resolves offline.
     purelib = subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
     host = sysconfig.get_paths()['purelib']
     Path(purelib, "zz_host_site.pth").write_text(host + "\n")
+    subprocess.run([str(vpy), "-m", "pip", "install", "-q", "--no-index", f"{wheel}[trainer]"], check=True,
+                   timeout=300, env=env)
     out = subprocess.run([str(vpy), "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "wheel ok" in out.stdout
+    # The demo from the installed package (its YAML config, tokenizer, report template), in an
+    # empty directory: a short warm start and 2 DAPO steps (filter_groups off: a model this weak
+    # solves no group, so dynamic sampling would keep none), then the closing line and the report.
+    work = tmp_path / "demo"
+    work.mkdir()
+    out = subprocess.run([str(vpy), "-m", "dapo_trainer.demo", "--warm-start-steps", "40",
+                          "trainer.total_training_steps=2", "trainer.test_freq=1",
+                          "algorithm.filter_groups.enable=false"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"held-out accuracy: before \d+\.\d% -> after \d+\.\d%", out.stdout), out.stdout[-2000:]
+    assert (work / "runs" / "demo" / "seed0" / "report" / "index.html").is_file()
+    assert not (work / "dapo_trainer").exists() and not (work / "dapo_kernels").exists()

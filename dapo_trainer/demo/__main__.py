@@ -35,6 +35,9 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--run-dir", default=None, help="run directory root (one sub-directory per seed)")
     p.add_argument("--resume", action="store_true", help="continue the seed's last run instead of starting afresh")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    p.add_argument("--warm-start-steps", type=int, default=None,
+                   help="supervised warm-start steps (default: the task's, 300 for sort, 500 for dialog); "
+                        "fewer for a quick smoke run, which then learns less")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the model's matmuls are so small that a second "
                         "thread costs more in synchronisation than it saves, 2.5x slower when cores are shared)")
@@ -44,15 +47,24 @@ def parse_args(argv: Optional[List[str]] = None):
 
 def main(argv: Optional[List[str]] = None) -> dict:
     args = parse_args(argv)
+    if args.warm_start_steps is not None and args.warm_start_steps < 1:
+        raise ValueError(f"--warm-start-steps must be >= 1, got {args.warm_start_steps}")
     torch.set_num_threads(args.threads)
     t0 = time.time()
     dialog = args.task == "dialog"
     run_dir = os.path.join(args.run_dir or ("runs/demo_dialog" if dialog else "runs/demo"), f"seed{args.seed}")
     if not args.resume and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
+    demo_config = None
+    if args.warm_start_steps is not None:  # (part of the cache key: a short warm start is cached apart)
+        if dialog:
+            from .dialog import DialogDemoConfig as demo_cls
+        else:
+            from .assets import DemoConfig as demo_cls
+        demo_config = demo_cls(seed=args.seed, warm_start_steps=args.warm_start_steps)
     result = run_demo(seed=args.seed, config=args.config or (DIALOG_CONFIG if dialog else DEFAULT_CONFIG),
                       cache_dir=args.cache_dir or (".cache/dapo_demo_dialog" if dialog else ".cache/dapo_demo"),
-                      run_dir=run_dir, overrides=args.overrides, task=args.task)
+                      run_dir=run_dir, overrides=args.overrides, task=args.task, demo_config=demo_config)
     if not args.no_report:
         from ..report import write_report
 

@@ -60,6 +60,8 @@ def test_wheel_installs_and_imports(tmp_path):
                              check=True, capture_output=True, text=True).stdout.strip()
     host = sysconfig.get_paths()['purelib']
     Path(purelib, "zz_host_site.pth").write_text(host + "\n")
+    # (the venv's own bundled setuptools would shadow the host's newer one, which torch requires)
+    subprocess.run([str(vpy), "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=False, timeout=300, env=env)
     subprocess.run([str(vpy), "-m", "pip", "install", "-q", "--no-index", f"{wheel}[trainer]"], check=True,
                    timeout=300, env=env)
     out = subprocess.run([str(vpy), "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

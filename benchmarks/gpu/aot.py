@@ -71,14 +71,8 @@ EXCEPTIONS = {
     ("_varlen_attention_bwd_dq_kernel", 90, ("float16", "bfloat16"), "D=256", "no wgmma"):
         "the 64-row dQ tile spills at D = 256 (80-176 B, with the NaN masking of the diagonal tile); "
         "the spill-free 32-row tile runs mma.sync",
-    ("_varlen_attention_bwd_dkdv_kernel", 90, ("float32",), "D=", "spills"):
-        _F32_DP_SPILLS,
-    ("_varlen_attention_bwd_dkdv_kernel", 80, ("float32",), "D=", "spills"):
-        _F32_DP_SPILLS,
-    ("_varlen_attention_bwd_dq_kernel", 90, ("float32",), "D=", "spills"):
-        _F32_DP_SPILLS,
-    ("_varlen_attention_bwd_dq_kernel", 80, ("float32",), "D=", "spills"):
-        _F32_DP_SPILLS,
+    **{(f"_varlen_attention_bwd_{k}_kernel", arch, ("float32",), "D=", "spills"): _F32_DP_SPILLS
+       for k in ("dkdv", "dq") for arch in ARCHS},
 }
 
 

@@ -9,8 +9,8 @@ log units, the unit these kernels produce and consume. The backward of 16-bit in
 float32 (see :func:`_bwd_torch`).
 
 A sliding window or soft-capping (which torch's fused kernel does not have) takes the same buckets
-through plain fp32 softmax attention instead, query rows in chunks so the score tile stays bounded
-(:func:`_fwd_math` / :func:`_bwd_math`).
+through plain softmax attention instead (fp32; fp64 for fp32 inputs, see _MATH_DTYPES), query rows
+in chunks so the score tile stays bounded (:func:`_fwd_math` / :func:`_bwd_math`).
 """
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ _BUCKET_RATIO = 1.5
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Score elements per chunk of the math path (64 MiB of fp32 scores).
 _MATH_CHUNK = 1 << 24
+# Compute dtype of the math path per input dtype. fp32 inputs compute in fp64 (rounded once on the
+# way out): the CPU BLAS's fp32 error depends on the GEMM's shape and layout, and the math path's
+# grouped 5-D products ran a kernel 3.5x less accurate than the per-head 3-D one plain torch gets
+# (q @ k^T, D=192: 4.3e-5 vs 1.2e-5), which put soft-capped out / dQ / dK at up to 3-4.6x torch's
+# error on ~1 draw in 10. Cost: fwd+bwd 1.9x (0.43 -> 0.82 s, T=2048, 8/2 heads, D=128, softcap, 1
+# thread). 16-bit inputs keep fp32, whose rounding theirs dwarfs.
+_MATH_DTYPES = {torch.float32: torch.float64}
 
 
 @per_tensor_cache  # once per batch, not per layer
@@ -118,17 +125,21 @@ def _window(S: int, causal: bool, window_left: int, window_right: int):
     return (S if window_left < 0 else window_left), (0 if causal else (S if window_right < 0 else window_right))
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _MATH_DTYPES.get(dtype, torch.float32)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """Padded ``[n, Hq, S, D]`` -> ``[n, Hkv, G, S, D]`` (query head h reads KV head h // G)."""
     n, H, S, D = x.shape
-    return x.float().reshape(n, kv_heads, H // kv_heads, S, D)
+    return x.to(dtype).reshape(n, kv_heads, H // kv_heads, S, D)
 
 
 def _fwd_math(q, k, v, gather, valid, causal, scale, window_left, window_right, softcap):
-    """fp32 softmax attention of one bucket: (out [n, Hq, S, D], lse [n, Hq, S])."""
-    Hkv = k.shape[1]
-    qg = _grouped(_padded(q, gather), Hkv)
-    kp, vp = (_padded(t, gather).float() for t in (k, v))
+    """Softmax attention of one bucket in ``_math_dtype(q.dtype)``: (out [n, Hq, S, D], lse [n, Hq, S])."""
+    Hkv, dtype = k.shape[1], _math_dtype(q.dtype)
+    qg = _grouped(_padded(q, gather), Hkv, dtype)
+    kp, vp = (_padded(t, gather).to(dtype) for t in (k, v))
     window = _window(valid.shape[1], causal, window_left, window_right)
     outs, lses = [], []
     for rows in _math_chunks(valid, q.shape[1]):
@@ -138,13 +149,13 @@ def _fwd_math(q, k, v, gather, valid, causal, scale, window_left, window_right, 
     return torch.cat(outs, 3).flatten(1, 2), torch.cat(lses, 3).flatten(1, 2)
 
 
-def _bwd_math(dout, q, k, v, gather, valid, causal, scale, window_left, window_right, softcap):
-    """fp32 gradients of one bucket (padded ``[n, H, S, D]``), the probabilities recomputed:
+def _bwd_math(dout, q, k, v, gather, valid, causal, scale, window_left, window_right, softcap, dtype):
+    """Gradients of one bucket in ``dtype`` (padded ``[n, H, S, D]``), the probabilities recomputed:
     dS = P * (dP - rowsum(P * dP)) as torch's softmax backward (rowsum(dO * O) would carry O's
     rounding to the input dtype), times 1 - tanh^2 under soft-capping. Padding rows have dO = 0."""
     Hkv = k.shape[1]
-    qg, dog = (_grouped(_padded(t, gather, valid), Hkv) for t in (q, dout))
-    kp, vp = (_padded(t, gather).float() for t in (k, v))
+    qg, dog = (_grouped(_padded(t, gather, valid), Hkv, dtype) for t in (q, dout))
+    kp, vp = (_padded(t, gather).to(dtype) for t in (k, v))
     window = _window(valid.shape[1], causal, window_left, window_right)
     dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kp), torch.zeros_like(vp)
     for rows in _math_chunks(valid, q.shape[1]):
@@ -175,15 +186,13 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     lse_nat = empty_output((T, Hq), dtype=torch.float32, device=q.device)
     plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
-        if not plain:
+        if plain:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _padded(q, gather), _padded(k, gather), _padded(v, gather), 0.0, causal,
+                attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
+            )
+        else:
             o, lse = _fwd_math(q, k, v, gather, valid, causal, softmax_scale, window_left, window_right, softcap)
-            _unpad_into(out, o, rows, slots)
-            _unpad_into(lse_nat, lse, rows, slots)
-            continue
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _padded(q, gather), _padded(k, gather), _padded(v, gather), 0.0, causal,
-            attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
-        )
         _unpad_into(out, o, rows, slots)
         _unpad_into(lse_nat, lse, rows, slots)
     return out, lse_nat.t().contiguous()
@@ -196,6 +205,7 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     lse_nat = lse.t()
+    math_dtype = _math_dtype(q.dtype)  # (of the inputs' own dtype, before the fp32 copies below)
     if q.dtype in _LOW_PRECISION:
         # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's
         # dK/dV in 16 bits): its errors reached 6x plain torch's in the same dtype (MHA as
@@ -206,19 +216,17 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
     plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
-        if not plain:
+        if plain:
+            # Padding rows get dO = 0 and lse = +inf, so their probabilities are exactly 0 and
+            # they add nothing to dK/dV; padding slots' own gradients are dropped.
+            bucket_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _padded(dout, gather, valid), _padded(q, gather), _padded(k, gather), _padded(v, gather),
+                _padded(out, gather, valid), _padded(lse_nat, gather, valid, float("inf")), 0.0, causal,
+                attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
+            )
+        else:
             bucket_grads = _bwd_math(dout, q, k, v, gather, valid, causal, softmax_scale, window_left, window_right,
-                                     softcap)
-            for dst, src in zip(grads, bucket_grads):
-                _unpad_into(dst, src, rows, slots)
-            continue
-        # Padding rows get dO = 0 and lse = +inf, so their probabilities are exactly 0 and
-        # they add nothing to dK/dV; padding slots' own gradients are dropped.
-        bucket_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _padded(dout, gather, valid), _padded(q, gather), _padded(k, gather), _padded(v, gather),
-            _padded(out, gather, valid), _padded(lse_nat, gather, valid, float("inf")), 0.0, causal,
-            attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
-        )
+                                     softcap, math_dtype)
         for dst, src in zip(grads, bucket_grads):
             _unpad_into(dst, src, rows, slots)
     return tuple(grads)

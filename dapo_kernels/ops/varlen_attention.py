@@ -700,7 +700,7 @@ def _bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax
     delta = _launch_delta(out, dout)
     (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
-    meta["DP_F64"] = q.dtype == torch.float32  # (_DELTA_DTYPES)
+    meta["DP_F64"] = _DELTA_DTYPES[q.dtype] is torch.float64
     scales = (qk_scale, softmax_scale, *masking)
     atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
@@ -728,6 +728,16 @@ def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x).all(-1)
 
 
+@per_tensor_cache  # once per batch, not per layer
+def _token_bounds(cu_seqlens: torch.Tensor, total_tokens: int):
+    """int64 ``[T]`` each (token index, its sequence's start, its sequence's end)."""
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    t = torch.arange(total_tokens, device=cu.device)
+    return (t, torch.repeat_interleave(cu[:-1], lens, output_size=total_tokens),
+            torch.repeat_interleave(cu[1:], lens, output_size=total_tokens))
+
+
 def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, window_left: int, window_right: int,
                keys: bool) -> torch.Tensor:
     """bool ``[T, H]``: the queries that attend a key flagged in ``flag [T, H]`` or, with ``keys``, the
@@ -735,11 +745,7 @@ def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, windo
     ``i - left <= j <= i + right`` (causal: right = 0; -1 = unbounded). Prefix counts on the
     device, no host sync."""
     T = flag.shape[0]
-    cu = cu_seqlens.long()
-    lens = cu[1:] - cu[:-1]
-    t = torch.arange(T, device=flag.device)
-    start = torch.repeat_interleave(cu[:-1], lens, output_size=T)
-    end = torch.repeat_interleave(cu[1:], lens, output_size=T)
+    t, start, end = _token_bounds(cu_seqlens, T)
     left = T if window_left < 0 else window_left
     right = 0 if causal else (T if window_right < 0 else window_right)
     before, after = (right, left) if keys else (left, right)  # a key is attended by i in [j - right, j + left]

@@ -53,9 +53,9 @@ def _logits(x: torch.Tensor, w32: torch.Tensor, inv_temp: float) -> torch.Tensor
 
 
 def linear_log_probs(hidden, weight, labels, temperature, entropy, vocab_start, group):
-    """fp32 ``[N]`` log_prob and entropy (or zeros), and ``[5, N]`` rows (lse, entropy, log_prob, then two
-    rows the NPU backward does not use: zeros) for the backward,
-    fp64 by the op's contract (here fp32 values: the statistics are fp32 on the NPU)."""
+    """fp32 ``[N]`` log_prob and entropy (or zeros), and ``[5, N]`` rows for the backward (lse, entropy,
+    log_prob, lse's low part - ``combine_stats(split_lse=True)`` - and zeros), fp64 by the op's
+    contract (here fp32 values: the statistics are fp32 on the NPU)."""
     n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
     stats = hidden.new_empty((1, n, 4), dtype=torch.float32)
@@ -63,19 +63,19 @@ def linear_log_probs(hidden, weight, labels, temperature, entropy, vocab_start, 
     for r0 in range(0, n, step):
         z = _logits(hidden[r0:r0 + step], w32, 1.0 / temperature)
         stats[0, r0:r0 + step] = _row_stats(z, labels[r0:r0 + step] - vocab_start, entropy)[0]
-    lse, log_prob, ent = combine_stats(stats, group)
+    (lse, lse_lo), log_prob, ent = combine_stats(stats, group, split_lse=True)
     ent = ent if entropy else torch.zeros_like(lse)
-    return log_prob, ent, torch.cat([torch.stack([lse, ent, log_prob]), lse.new_zeros((2, n))]).double()
+    return log_prob, ent, torch.stack([lse, ent, log_prob, lse_lo, torch.zeros_like(lse)]).double()
 
 
 def linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temperature, vocab_start, group):
     """``(dH in hidden's dtype, all-reduced over group; dW of this vocab shard)``, logits recomputed per chunk.
 
-    Only ``rows``' lse and entropy are read: with fp32 statistics, the target entry comes from the
+    Only ``rows``' lse (both parts) and entropy are read: with fp32 statistics, the target entry comes from the
     recomputed logits like every other one (the CUDA / CPU paths refine it and the argmax's in fp64)."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / temperature
-    lse, ent = rows[0].float(), rows[1].float()  # fp64 by the op's contract; fp32 [C, V] math here
+    lse, ent, lse_lo = rows[0].float(), rows[1].float(), rows[3].float()  # fp64 by contract; fp32 math here
     w32 = weight.float()
     d_h = hidden.new_empty(hidden.shape, dtype=torch.float32)
     d_w = torch.zeros_like(w32)
@@ -84,8 +84,8 @@ def linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temperature,
         sl = slice(r0, r0 + step)
         x = hidden[sl].float()
         z = _logits(x, w32, inv_temp)
-        p = torch.exp(z - lse[sl, None])
-        dz = dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp)
+        p = torch.exp((z - lse[sl, None]).sub_(lse_lo[sl, None]))
+        dz = dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp, lse_lo[sl])
         torch.mm(dz, w32, out=d_h[sl])
         d_w.addmm_(dz.t(), x)
     return all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)
@@ -110,14 +110,14 @@ def fused_linear_policy_loss(hidden, weight, labels, tokens, params, kl_type, vo
         lab = labels[sl] - vocab_start
         z = _logits(x, w32, inv_temp)
         stats, e = _row_stats(z, lab, entropy)
-        lse, log_prob[sl], ent_c = combine_stats(stats[None], group)
+        (lse, lse_lo), log_prob[sl], ent_c = combine_stats(stats[None], group, split_lse=True)
         if entropy:
             ent[sl] = ent_c
         g_lp, g_ent, part = head(log_prob[sl], ent[sl], sl)
         sums = part if sums is None else sums + part
         if compute_grad:
-            p = e.mul_(torch.exp(stats[:, 0] - lse)[:, None])
-            dz = dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp)
+            p = e.mul_(torch.exp((stats[:, 0] - lse) - lse_lo)[:, None])
+            dz = dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp, lse_lo)
             torch.mm(dz, w32, out=d_h[sl])
             d_w.addmm_(dz.t(), x)
     if sums is None:  # no tokens: the head's sums of nothing

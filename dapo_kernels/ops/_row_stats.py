@@ -99,8 +99,8 @@ def local_argmax(stats: torch.Tensor) -> torch.Tensor:
 
 
 def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch.float32,
-                  exact: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  exact: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                  split_lse: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``stats [S, N, 4 or 5]`` partial row statistics -> ``(lse, log_prob, entropy)`` over splits and ranks.
 
     ``exact`` (optional) = ``(target, argmax, arg, local_labels)``: fp64 ``[N]`` logits summed in fp64
@@ -116,6 +116,11 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
     backward's softmax (and ``log p + entropy``) is consistent with them - its entries sum to
     zero - when its entries at those two positions come from the same fp64 values
     (:func:`exact_dlogits`) and the others from recomputed fp32 logits.
+
+    ``split_lse``: ``lse`` comes as the pair ``(hi, lo)`` with ``hi + lo = max + log(sum)`` exactly
+    (:func:`two_sum`), for fp32 statistics: ``hi`` alone carries a rounding of ~ulp(lse) (~5e-7 at
+    lse ~ 8) into every ``z - lse`` of the backward, where the logits ``z`` themselves are exact to
+    ~ulp(z - max) after the max is subtracted.
     """
     m_part = stats[..., 0]
     m_local = m_part.amax(0)
@@ -142,7 +147,16 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
         m_local = m
     s, t, tgt = all_reduce(sums, key)
     log_s = torch.log(s)
-    return (m_local + log_s).to(dtype), ((tgt - m_local) - log_s).to(dtype), (log_s - t / s).to(dtype)
+    lse = two_sum(m_local.to(dtype), log_s.to(dtype)) if split_lse else (m_local + log_s).to(dtype)
+    return lse, ((tgt - m_local) - log_s).to(dtype), (log_s - t / s).to(dtype)
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` with ``hi = fl(a + b)`` and ``hi + lo = a + b`` exactly (Knuth's TwoSum, any
+    magnitudes; plain arithmetic in the inputs' dtype)."""
+    hi = a + b
+    b_virtual = hi - a
+    return hi, (a - (hi - b_virtual)) + (b - b_virtual)
 
 
 # Rows of the fp64 per-token results that the backward takes (``rows [5, N]``).
@@ -261,9 +275,14 @@ def chunk_dlogits(z, e, shift, ent, g_lp, g_ent, inv_temp: float, entropy: bool)
     return dz
 
 
-def dlogits_(z: torch.Tensor, p: torch.Tensor, lab, lse, ent, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
-    """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities (npu_ops' path)."""
-    z.sub_(lse[:, None]).add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+def dlogits_(z: torch.Tensor, p: torch.Tensor, lab, lse, ent, g_lp, g_ent, inv_temp: float,
+             lse_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities (npu_ops' path).
+    ``lse_lo``: the low part of a split lse (:func:`combine_stats`), subtracted after ``lse``."""
+    z.sub_(lse[:, None])
+    if lse_lo is not None:
+        z.sub_(lse_lo[:, None])
+    z.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
     inside = (lab >= 0) & (lab < z.shape[1])
     rows = torch.arange(z.shape[0], device=z.device)
     z.index_put_((rows, lab.clamp(0, z.shape[1] - 1)), torch.where(inside, g_lp, 0.0), accumulate=True)

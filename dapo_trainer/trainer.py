@@ -141,7 +141,6 @@ class DAPOTrainer:
         # weights. Two cases keep an unsharded replica, refreshed after every update: SP (the
         # model's forward keeps one token shard) and multi-turn environments under FSDP2 with
         # several DP ranks (their replicas make different numbers of engine calls: no lockstep).
-        self.sharded = self.tp > 1 or self.sp > 1 or (self.actor_cfg.strategy == "fsdp2" and self.dp > 1)
         replica = self.sp > 1 or (self.env is not None and self.actor_cfg.strategy == "fsdp2" and self.dp > 1)
         self.rollout_model = (load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if replica
                               else self.model)
@@ -767,7 +766,7 @@ class DAPOTrainer:
     def save(self) -> str:
         state = {"step": self.global_step, "cursor": self.cursor.state_dict(),
                  "accumulator": ckpt.accumulator_state(self.accumulator), "nonfinite_streak": self.nonfinite_streak}
-        full = full_state_dict(self.model) if self.sharded else self.model.state_dict()
+        full = full_state_dict(self.model)  # (the plain state_dict when nothing is sharded)
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
                                     model_src_dir=self.cfg.actor_rollout_ref.model.path)

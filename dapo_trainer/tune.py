@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import yaml
 
-from .memory_model import DTYPE_BYTES, Parallel, kv_bytes_per_token, train_memory
+from .memory_model import DTYPE_BYTES, Parallel, kv_bytes_per_token, rollout_memory, train_memory
 
 GIB = 1 << 30
 
@@ -188,11 +188,11 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
 
     ckpt = offload = False
     sp = 1
-    cap = max_tokens(False, False, 1)
+    cap = no_ckpt = max_tokens(False, False, 1)
     why_ckpt = f"without checkpointing {cap} tokens per micro-batch fit, >= 4 sequences of {seq}"
     if cap < 4 * seq:
         ckpt, cap = True, max_tokens(True, False, 1)
-        why_ckpt = (f"without it only {max_tokens(False, False, 1)} tokens per micro-batch fit (< 4 x {seq}); "
+        why_ckpt = (f"without it only {no_ckpt} tokens per micro-batch fit (< 4 x {seq}); "
                     f"with it {cap}")
     if cap < seq:
         offload, cap = True, max_tokens(True, True, 1)
@@ -253,15 +253,16 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     # ---- rollout memory
     kv_tok = kv_bytes_per_token(cfg, b, 1)
     seqs = math.ceil(gen_bs * n / dp)
-    kv_need = seqs * seq * kv_tok
+    engine = rollout_memory(cfg, seqs, seq, dtype_bytes=b)
+    weights, kv_need = engine["weights"], engine["kv_cache"]
     resident = states + replica  # training state stays on the device while the engine generates
     free = HEADROOM * hw.memory - resident
-    util = min(0.9, max(0.3, (P * b + kv_need) / hw.memory))
+    util = min(0.9, max(0.3, (weights + kv_need) / hw.memory))
     util = max(0.05, math.floor(min(util, free / hw.memory) * 20) / 20)  # down to a multiple of 0.05
-    concurrent = max(0, int((util * hw.memory - P * b) // (seq * kv_tok)))
+    concurrent = max(0, int((util * hw.memory - weights) // (seq * kv_tok)))
     put("actor_rollout_ref.rollout.gpu_memory_utilization", util,
-        f"the engine's weights {P * b / GIB:.1f} GiB + KV cache for {seqs} sequences x {seq} tokens "
-        f"({kv_tok / 1024:.0f} KiB per token) = {(P * b + kv_need) / GIB:.1f} GiB; the training state "
+        f"the engine's weights {weights / GIB:.1f} GiB + KV cache for {seqs} sequences x {seq} tokens "
+        f"({kv_tok / 1024:.0f} KiB per token) = {(weights + kv_need) / GIB:.1f} GiB; the training state "
         f"({resident / GIB:.1f} GiB) stays resident, so at most {free / GIB:.1f} GiB are free; {concurrent} "
         "sequences decode at once at this setting")
     put("actor_rollout_ref.rollout.name", hw.rollout,

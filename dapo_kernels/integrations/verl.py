@@ -85,7 +85,7 @@ def compute_policy_loss_vanilla(
     if rollout_is_weights is not None:
         w = w * rollout_is_weights.detach().reshape(-1).to(w.dtype)
     flat = [t.reshape(-1).contiguous() for t in (log_prob, old_log_prob, advantages, mask)]
-    sums = policy_loss_sums(*flat, w.expand(flat[0].shape).contiguous() if w.numel() != 1 else w, *clips)
+    sums = policy_loss_sums(*flat, w, *clips)  # (w: 1 or N contiguous elements, as policy_loss's)
     metrics = metrics_from_counts(sums[1], sums[2], sums[3], sums[4])
     clipfrac, ppo_kl, lower = torch.stack([metrics["pg_clipfrac"], metrics["ppo_kl"],
                                            metrics["pg_clipfrac_lower"]]).tolist()

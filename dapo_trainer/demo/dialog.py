@@ -49,7 +49,7 @@ from typing import List
 
 import torch
 
-from .assets import DemoConfig
+from .assets import DemoConfig, _model_config
 
 __all__ = ["DialogDemoConfig", "OrderDeskEnv", "build_dialog_demo", "TEMPLATE", "STATUSES"]
 
@@ -177,7 +177,7 @@ def encode_dialogue(tok, eos: int, row: dict, turns: List[dict]):
 def build_dialog_demo(cfg: DialogDemoConfig, cache_dir: str = ".cache/dapo_demo_dialog", progress: bool = True):
     """The dialogue demo's model dir and data files (cached by a hash of ``cfg``)."""
     from ..hf_io import save_hf_model
-    from ..model import ModelConfig, Transformer
+    from ..model import Transformer
     from .assets import DemoAssets, warm_start
 
     root = os.path.join(os.path.abspath(cache_dir), cfg.key())
@@ -201,15 +201,9 @@ def build_dialog_demo(cfg: DialogDemoConfig, cache_dir: str = ".cache/dapo_demo_
         if cfg.transcript_loss:  # every token after the first is a target
             encoded = [(p[:1], p[1:] + c, [True] * (len(p) - 1 + len(c))) for p, c, _ in encoded]
         torch.manual_seed(cfg.seed)
-        mc = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                         num_kv_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                         max_position_embeddings=cfg.max_position_embeddings,
-                         hf_config={"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None})
-        model = Transformer(mc).init_weights()
+        model = Transformer(_model_config(cfg, tok.get_vocab_size(), eos, pad)).init_weights()
         losses = warm_start(model, encoded, cfg, progress=progress)
         save_hf_model(model, model_dir)
-        _tokenizer(model_dir)  # save_hf_model leaves the tokenizer files alone; rewritten for certainty
         with open(os.path.join(tmp, "warm_start.json"), "w") as f:
             json.dump({"settings": cfg.to_dict(), "losses": losses, "seconds": round(time.time() - t0, 1)}, f)
         if os.path.exists(root):

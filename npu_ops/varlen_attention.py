@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 
+from dapo_kernels._cache import per_tensor_cache
 from dapo_kernels.backend_api import torch_implementation
 
 from ._lazy import torch_npu
@@ -59,16 +59,10 @@ _masks: Dict[torch.device, torch.Tensor] = {}
 
 
 class _Plan(NamedTuple):
-    """What the calls for one ``cu_seqlens`` need: host lists and the statistics map."""
+    """What the calls for one ``cu_seqlens`` need: host lists, built once per batch."""
 
     ends: List[int]  # cu_seqlens[1:] without empty sequences
     groups: List[Tuple[int, int, List[int]]]  # per call: (first row, end row, ends from the first row)
-    stat_index: Dict[int, torch.Tensor]  # {Hq: stat_index(cu_seqlens, T, Hq)}, filled on first use
-
-
-# (weak ref to the cu_seqlens tensor, its version counter, its plan): every layer of a forward
-# and backward sees the same cu_seqlens object, and reading it is a host sync.
-_plan_cache: Optional[Tuple[weakref.ref, int, _Plan]] = None
 
 
 def causal_mask(device: torch.device) -> torch.Tensor:
@@ -80,12 +74,9 @@ def causal_mask(device: torch.device) -> torch.Tensor:
     return mask
 
 
+@per_tensor_cache  # every layer of a forward and backward sees the same cu_seqlens; reading it is a host sync
 def _plan(cu_seqlens: torch.Tensor) -> _Plan:
-    """The cached :class:`_Plan` of ``cu_seqlens`` (rebuilt when it changes in place)."""
-    global _plan_cache
-    cached = _plan_cache
-    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
-        return cached[2]
+    """The :class:`_Plan` of ``cu_seqlens`` (rebuilt when it changes in place)."""
     ends: List[int] = []
     for e in cu_seqlens[1:].tolist():
         if e > (ends[-1] if ends else 0):
@@ -95,9 +86,7 @@ def _plan(cu_seqlens: torch.Tensor) -> _Plan:
         first = ends[i - 1] if i else 0
         chunk = ends[i:i + MAX_SEQS_PER_CALL]
         groups.append((first, chunk[-1], [e - first for e in chunk]))
-    plan = _Plan(ends, groups, {})
-    _plan_cache = (weakref.ref(cu_seqlens), cu_seqlens._version, plan)
-    return plan
+    return _Plan(ends, groups)
 
 
 def seq_ends(cu_seqlens: torch.Tensor) -> List[int]:
@@ -122,11 +111,8 @@ def stat_index(cu_seqlens: torch.Tensor, total_tokens: int, heads: int) -> torch
     return start * heads + h * (cu[seq + 1] - start) + (t - start)
 
 
-def _stat_index(plan: _Plan, cu_seqlens: torch.Tensor, total_tokens: int, heads: int) -> torch.Tensor:
-    index = plan.stat_index.get(heads)
-    if index is None:
-        index = plan.stat_index[heads] = stat_index(cu_seqlens, total_tokens, heads)
-    return index
+# The statistics map, once per batch and head count (every layer reuses it).
+_stat_index = per_tensor_cache(stat_index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,7 +164,7 @@ def varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale,
         )[:3]
         outs.append(out)
         stats.append(s_max[..., 0] + torch.log(s_sum[..., 0]))  # [rows, Hq] in storage (NTD) order
-    lse = _cat(stats).reshape(-1)[_stat_index(plan, cu_seqlens, T, Hq)]
+    lse = _cat(stats).reshape(-1)[_stat_index(cu_seqlens, T, Hq)]
     return _cat(outs), lse * lse_unit()
 
 
@@ -192,7 +178,7 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     plan = _plan(cu_seqlens)
     # lse back into the NTD layout the forward's statistics had.
-    flat = lse.new_empty(T * Hq).index_copy_(0, _stat_index(plan, cu_seqlens, T, Hq).reshape(-1),
+    flat = lse.new_empty(T * Hq).index_copy_(0, _stat_index(cu_seqlens, T, Hq).reshape(-1),
                                               (lse / lse_unit()).reshape(-1))
     s_max = flat.view(T, Hq, 1).expand(T, Hq, STAT_COPIES).contiguous()
     s_sum = torch.ones_like(s_max)

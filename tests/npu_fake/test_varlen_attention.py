@@ -121,11 +121,22 @@ def test_sequence_ends_are_read_once_per_tensor():
 
 def test_statistics_map_is_built_once_per_tensor_and_head_count(fake_npu):
     q, k, v, cu = _inputs([4, 0, 3], 2, 1, 16, torch.float32)
-    attention.varlen_attention_fwd(q, k, v, cu, 4, True, 0.25)
-    index = attention._plan(cu).stat_index[2]
     out, lse = attention.varlen_attention_fwd(q, k, v, cu, 4, True, 0.25)
     attention.varlen_attention_bwd(torch.ones_like(out), q, k, v, out, lse, cu, 4, True, 0.25)
-    assert attention._plan(cu).stat_index == {2: index} and attention._plan(cu).stat_index[2] is index
+    index = attention._stat_index(cu, 7, 2)
+    assert attention._stat_index(cu, 7, 2) is index and torch.equal(index, attention.stat_index(cu, 7, 2))
+    assert attention._stat_index(cu, 7, 3) is not index and attention._stat_index(cu.clone(), 7, 2) is not index
+
+
+def test_inference_mode_cu_seqlens_are_served(fake_npu):
+    """An inference-mode tensor has no version counter to key a cache on: planned on every call."""
+    q, k, v, _ = _inputs([4, 0, 3], 2, 1, 16, torch.float32)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 4, 7], dtype=torch.int32)
+        out, lse = attention.varlen_attention_fwd(q, k, v, cu, 4, True, 0.25)
+        assert attention.seq_ends(cu) == [4, 7]
+    want = varlen_attention_ref(q.double(), k.double(), v.double(), cu.clone(), causal=True, softmax_scale=0.25)[0]
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_causal_mask_is_built_once_per_device():

@@ -111,6 +111,26 @@ def test_packed_equals_separate_sequences():
         torch.testing.assert_close(got[a:b], want, rtol=0, atol=1e-5)
 
 
+def test_whole_rows_share_one_cu_seqlens(monkeypatch):
+    """No mask and no position_ids: each row is one sequence, and every layer passes the op the same
+    cu_seqlens tensor (its per-batch metadata is built once), a normal tensor even if first built under
+    inference_mode."""
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+    seen = []
+    monkeypatch.setattr(dkt, "varlen_attention", lambda q, k, v, cu, *a, **kw: seen.append(cu) or dk.varlen_attention(
+        q, k, v, cu, *a, **kw))
+    q, k, v = torch.randn(3, 4, 6, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    with torch.inference_mode():
+        dkt.dapo_varlen_attention(Attn(), q, k, v, None)
+    out, _ = dkt.dapo_varlen_attention(Attn(), q, k, v, None)
+    assert seen[0] is seen[1] and not seen[0].is_inference() and seen[0].tolist() == [0, 6, 12, 18]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            is_causal=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_from_pretrained_with_dapo_varlen(tmp_path):
     sdpa32, sdpa64, _ = _models("llama")
     sdpa32.save_pretrained(tmp_path)

@@ -27,6 +27,7 @@ meaning: a query sees ``sliding_window - 1`` keys back) and ``softcap`` map to t
 """
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -79,6 +80,15 @@ def _padded_plan(mask: torch.Tensor):
     return indices, cu_seqlens, max_seqlen
 
 
+@functools.lru_cache(maxsize=64)  # every layer of a batch of whole rows: one tensor per shape and device
+def _uniform_plan(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[B+1]`` boundaries of ``batch`` rows of ``seqlen`` tokens each (no mask, no position_ids).
+    The same tensor every call, so the op's own per-``cu_seqlens`` metadata is built once too; a normal
+    tensor even when first asked for under ``inference_mode`` (training saves it for the backward)."""
+    with torch.inference_mode(False):
+        return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
+
+
 # --------------------------------------------------------------------------- attention
 def dapo_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
@@ -117,7 +127,7 @@ def dapo_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                              f"got {list(position_ids.shape)}")
         cu = _packed_plan(position_ids, batch, seqlen)
     else:
-        cu = _cu_seqlens_from_starts(_row_starts(None, batch, seqlen, query.device).reshape(-1))
+        cu = _uniform_plan(batch, seqlen, query.device)
     out = varlen_attention(*(x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v)), cu, seqlen, **opts)
     return out.reshape(batch, seqlen, *out.shape[1:]), None
 

@@ -84,8 +84,8 @@ def linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temperature,
         sl = slice(r0, r0 + step)
         x = hidden[sl].float()
         z = _logits(x, w32, inv_temp)
-        p = torch.exp((z - lse[sl, None]).sub_(lse_lo[sl, None]))
-        dz = dlogits_(z, p, labels[sl] - vocab_start, lse[sl], ent[sl], g_lp[sl], g_ent[sl], inv_temp, lse_lo[sl])
+        logp = z.sub_(lse[sl, None]).sub_(lse_lo[sl, None])
+        dz = dlogits_(logp, torch.exp(logp), labels[sl] - vocab_start, ent[sl], g_lp[sl], g_ent[sl], inv_temp)
         torch.mm(dz, w32, out=d_h[sl])
         d_w.addmm_(dz.t(), x)
     return all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)
@@ -117,7 +117,7 @@ def fused_linear_policy_loss(hidden, weight, labels, tokens, params, kl_type, vo
         sums = part if sums is None else sums + part
         if compute_grad:
             p = e.mul_(torch.exp((stats[:, 0] - lse) - lse_lo)[:, None])
-            dz = dlogits_(z, p, lab, lse, ent[sl], g_lp, g_ent, inv_temp, lse_lo)
+            dz = dlogits_(z.sub_(lse[:, None]).sub_(lse_lo[:, None]), p, lab, ent[sl], g_lp, g_ent, inv_temp)
             torch.mm(dz, w32, out=d_h[sl])
             d_w.addmm_(dz.t(), x)
     if sums is None:  # no tokens: the head's sums of nothing

@@ -275,18 +275,14 @@ def chunk_dlogits(z, e, shift, ent, g_lp, g_ent, inv_temp: float, entropy: bool)
     return dz
 
 
-def dlogits_(z: torch.Tensor, p: torch.Tensor, lab, lse, ent, g_lp, g_ent, inv_temp: float,
-             lse_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """d loss / d logits written over ``z`` (fp32 ``[C, V]``); ``p`` the probabilities (npu_ops' path).
-    ``lse_lo``: the low part of a split lse (:func:`combine_stats`), subtracted after ``lse``."""
-    z.sub_(lse[:, None])
-    if lse_lo is not None:
-        z.sub_(lse_lo[:, None])
-    z.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
-    inside = (lab >= 0) & (lab < z.shape[1])
-    rows = torch.arange(z.shape[0], device=z.device)
-    z.index_put_((rows, lab.clamp(0, z.shape[1] - 1)), torch.where(inside, g_lp, 0.0), accumulate=True)
-    return z.mul_(inv_temp)
+def dlogits_(logp: torch.Tensor, p: torch.Tensor, lab, ent, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+    """d loss / d logits written over ``logp`` (fp32 ``[C, V]``, the logits minus their lse: both parts of
+    a split lse, :func:`combine_stats`); ``p = exp(logp)`` the probabilities (npu_ops' path)."""
+    logp.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+    inside = (lab >= 0) & (lab < logp.shape[1])
+    rows = torch.arange(logp.shape[0], device=logp.device)
+    logp.index_put_((rows, lab.clamp(0, logp.shape[1] - 1)), torch.where(inside, g_lp, 0.0), accumulate=True)
+    return logp.mul_(inv_temp)
 
 
 def grad_buffers(hidden, weight):

@@ -101,23 +101,30 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
 
     ref64 = _ref_grads(fn, hidden, weight, torch.float64)
     low = _torch_low(fn, hidden, weight, ref64)
-    # Known gap (2026-11-29, not fixed): the NPU path's fused loss and its dH / dW (fp32 row sums,
-    # chosen for the NPU's vector units) can exceed 2x plain torch's error on some seeds, the loss
-    # mostly with the entropy / KL terms (the reference aggregates in fp64). Those three are
-    # reported as xfail with their numbers; log-prob, entropy and the token count stay strict.
-    gaps = []
-    for name, out, r, t in (("loss", sums[0], ref64[0][0], low[0][0]), ("dH", d_h, ref64[1], low[1]),
-                            ("dW", d_w, ref64[2], low[2])):
-        try:
-            assert_close_to_ref(out, r, t, name=name)
-        except AssertionError as e:
-            gaps.append(str(e).splitlines()[0])
+    # The loss as the op returns it: dk.fused_linear_policy_loss rounds sums[0] to fp32, and its sum of
+    # fp32 per-token terms can sit orders below one fp32 ulp of the loss by luck (torch's, on some
+    # seeds), where the fp64 sums' own ulp floor would compare ours with that luck (0 of 600 seeds
+    # over 2x in these terms; 4 of 100 in fp64 terms).
+    assert_close_to_ref(sums[0].float(), ref64[0][0], low[0][0], name="loss")
     assert_close_to_ref(log_prob, ref64[0][1], low[0][1], name="log_prob")
     if ent_coef:
         assert_close_to_ref(ent, ref64[0][2], low[0][2], name="entropy")
     assert sums[5].item() == mask.sum().item()  # token count
+    # Known gap (traced 2026-12-01, not fixed): dH / dW exceed 2x plain torch's error on 4 of 600 seeds (both cases)
+    # (up to 3.8x). Cause: the loss head's d loss / d log_prob comes from the fp32 log-probs, which
+    # share one rounding of 1/T (fp32 1/0.9 is 4.3e-8 high; torch divides by fp32 0.9, 2.6e-8 off):
+    # a bias every token's gradient carries alike, so it adds up in dW = sum_t dz_t x_t. With the
+    # head fed fp64 log-probs the failing seeds (146, 438, 594) pass; the CUDA / CPU paths refine the
+    # target logit in fp64 for this. Splitting 1/T into two fp32 parts removed the bias but failed
+    # 6 of 300 seeds instead of 1 (no longer sharing torch's rounding); reported as xfail.
+    gaps = []
+    for name, out, r, t in (("dH", d_h, ref64[1], low[1]), ("dW", d_w, ref64[2], low[2])):
+        try:
+            assert_close_to_ref(out, r, t, name=name)
+        except AssertionError as e:
+            gaps.append(str(e).splitlines()[0])
     if gaps:
-        pytest.xfail("known NPU-path fused-loss precision gap: " + "; ".join(gaps))
+        pytest.xfail("known NPU-path fused-loss gradient gap: " + "; ".join(gaps))
 
 
 def test_fused_without_grad_or_tokens():

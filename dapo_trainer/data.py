@@ -164,7 +164,7 @@ class Tokenizer:
         message. Without one: a str prompt is ``template``-filled, a message list's contents are
         joined by newlines first (the plain behaviour).
         """
-        if self.chat_template is not None and use_chat_template:
+        if self.uses_chat(use_chat_template):
             msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": apply_template(prompt, template)}]
             return self.render_chat(msgs, add_generation_prompt=True)
         if isinstance(prompt, list):
@@ -173,8 +173,13 @@ class Tokenizer:
 
     @property
     def templated(self) -> bool:
-        """True when prompts go through the chat template (its text holds the special tokens)."""
+        """True when the model directory has a chat template."""
         return self.chat_template is not None
+
+    def uses_chat(self, use_chat_template: bool = True) -> bool:
+        """True when prompts go through the chat template (a template exists and is asked for): its
+        text then holds the special tokens, so encoding adds none."""
+        return self.templated and bool(use_chat_template)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text with special tokens skipped."""

@@ -104,7 +104,7 @@ class DAPOTrainer:
 
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
         # Prompts rendered with the model's chat template hold their special tokens already.
-        self._chat = self.tokenizer.templated and cfg.data.apply_chat_template
+        self._chat = self.tokenizer.uses_chat(cfg.data.apply_chat_template)
         d = cfg.data
         if not d.train_files:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")

@@ -157,7 +157,7 @@ def multi_turn_rollout(engine, tokenizer, env, rows: Sequence[dict], n: int, *, 
 
     if on_error not in ("raise", "drop"):
         raise ValueError(f"on_error must be 'raise' or 'drop', got {on_error!r}")
-    chat = tokenizer.templated and use_chat_template
+    chat = tokenizer.uses_chat(use_chat_template)
     step = _stepper(env)
     stops = tuple(tokenizer.eos_token_ids)
     limit = getattr(engine, "max_model_len", None) or max_prompt_length + max_response_length

@@ -113,5 +113,7 @@ def test_raise_exception_and_prompt_text(tmp_path):
     # Opting out (data.apply_chat_template=false) and templateless models keep the plain text.
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     assert tok.prompt_text(msgs, use_chat_template=False) == "s\nu"
+    assert tok.uses_chat() and not tok.uses_chat(False)
     tok.chat_template = None
     assert tok.prompt_text(msgs) == "s\nu" and tok.prompt_text("p", "<{prompt}>") == "<p>" and not tok.templated
+    assert not tok.uses_chat(True)

@@ -13,9 +13,6 @@ import pytest
 
 import dapo_kernels.integrations.verl as dkv
 
-# What apply() installs, by the name dkv holds it under (apply() reads these module globals).
-_PATCHED = ("compute_policy_loss_vanilla", "compute_grpo_outcome_advantage", "get_seqlen_balanced_partitions",
-            "rearrange_micro_batches")
 CALLS = collections.Counter()
 
 
@@ -29,11 +26,8 @@ def _counted(name, fn):
 
 
 def pytest_configure(config):
-    for name in _PATCHED:
-        setattr(dkv, name, _counted(name, getattr(dkv, name)))
-    pad = dkv.bert_padding
-    for name in ("unpad_input", "pad_input", "index_first_axis"):
-        setattr(pad, name, _counted(name, getattr(pad, name)))
+    for _, name, holder in dkv.PATCHES:  # what apply() installs, read from these holders at apply() time
+        setattr(holder, name, _counted(name, getattr(holder, name)))
     dkv.apply()
 
 

@@ -194,6 +194,19 @@ def _replace_everywhere(module_name: str, name: str, new) -> None:
                 setattr(mod, attr, new)
 
 
+# What apply() replaces: (verl module, name, the module whose attribute of that name replaces it; read
+# at apply() time, so a wrapper installed there, as the verl test plugin's call counters, is what verl gets).
+PATCHES = tuple((module, name, sys.modules[__name__] if holder is None else holder) for module, name, holder in (
+    ("verl.trainer.ppo.core_algos", "compute_policy_loss_vanilla", None),
+    ("verl.trainer.ppo.core_algos", "compute_grpo_outcome_advantage", None),
+    ("verl.utils.seqlen_balancing", "get_seqlen_balanced_partitions", None),
+    ("verl.utils.seqlen_balancing", "rearrange_micro_batches", None),
+    ("verl.utils.attention_utils", "unpad_input", bert_padding),
+    ("verl.utils.attention_utils", "pad_input", bert_padding),
+    ("verl.utils.attention_utils", "index_first_axis", bert_padding),
+))
+
+
 def apply() -> None:
     """Patch the imported verl (0.9.x) in place: the "vanilla" policy loss (and a new
     ``"dapo_kernels"`` entry) and the "grpo" advantage estimator in verl's registries,
@@ -211,16 +224,8 @@ def apply() -> None:
                           (core_algos.ADV_ESTIMATOR_REGISTRY, "grpo", compute_grpo_outcome_advantage)):
         _REGISTRY_ORIGINALS.append((reg, key, reg.get(key, _MISSING)))
         reg[key] = new
-    for module, name, new in (
-        ("verl.trainer.ppo.core_algos", "compute_policy_loss_vanilla", compute_policy_loss_vanilla),
-        ("verl.trainer.ppo.core_algos", "compute_grpo_outcome_advantage", compute_grpo_outcome_advantage),
-        ("verl.utils.seqlen_balancing", "get_seqlen_balanced_partitions", get_seqlen_balanced_partitions),
-        ("verl.utils.seqlen_balancing", "rearrange_micro_batches", rearrange_micro_batches),
-        ("verl.utils.attention_utils", "unpad_input", bert_padding.unpad_input),
-        ("verl.utils.attention_utils", "pad_input", bert_padding.pad_input),
-        ("verl.utils.attention_utils", "index_first_axis", bert_padding.index_first_axis),
-    ):
-        _replace_everywhere(module, name, new)
+    for module, name, holder in PATCHES:
+        _replace_everywhere(module, name, getattr(holder, name))
 
 
 def revert() -> None:

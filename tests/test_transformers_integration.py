@@ -34,7 +34,13 @@ def _config(arch: str, sliding: bool = False):
 
 
 def _models(arch: str, sliding: bool = False):
-    """(sdpa fp32, sdpa fp64, dapo_varlen fp32) copies of one random model."""
+    """(sdpa fp32, sdpa fp64, dapo_varlen fp32) copies of one random model.
+
+    One fixed draw (weights and, after them, the inputs), not the session seed: a whole model's
+    gradients compared by max abs error per parameter are a heavy-tailed statistic. Over 20 fresh
+    draws per case (2026-12-01) the torch backend reached 2.25x the worse of sdpa / eager
+    (qwen2-sliding packed, whose attention is fp64 rounded once) and sdpa against eager alone
+    2.76x; the per-op tests (tests/ops) draw fresh inputs with the rule."""
     torch.manual_seed(1234)
     base = transformers.AutoModelForCausalLM.from_config(_config(arch, sliding), attn_implementation="sdpa")
     with torch.no_grad():  # bigger than the default init: attention patterns far from uniform
@@ -88,11 +94,11 @@ def _assert_matches_sdpa(models, inputs, real):
 @pytest.mark.parametrize("batch", ["packed", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding"])
 def test_dapo_varlen_matches_sdpa(arch, batch):
-    """Whole-model parity on the CPU's backend (torch). Not on the interpreted Triton kernels: there
-    qwen2 padded has parameter gradients at up to 5.2x torch's error (layer 0 up_proj; 4.6x before
-    the fp64 dP of the fp32 backward), while each attention call replayed alone on its recorded
-    inputs is within torch's error (dq / dk / dv, also projected over tokens); open, reported with
-    issue 19. qwen2-sliding packed (3.5x before, at a query seeing one key) passes since that fix."""
+    """Whole-model parity on the CPU's backend (torch). Not on the interpreted Triton kernels (slow,
+    and the statistic's tail, see _models): on this fixed draw qwen2 padded has layer 0 up_proj's
+    gradient at 5.2x, all of it from one token (row 2, position 4) whose layer-1 dQ error (2.4e-6,
+    1.3x the torch backend's) meets a high-gain direction; over 8 fresh draws the Triton model's
+    worst ratio was 1.81 (1.17-1.81), while sdpa against eager reached 2.76."""
     models = _models(arch.split("-")[0], sliding=arch.endswith("sliding"))
     inputs, real = (_packed if batch == "packed" else _padded)()
     with backend("torch"):

@@ -27,7 +27,9 @@ Reusing the ops' own pieces
       ``linear_log_probs``: partial ``[S, N, 4]`` (max, sum-exp, sum-exp * z, target logit)
       to ``(lse, log_prob, entropy)``, the logits gradient, and the all-reduce over the
       op's process-group key;
-    * :func:`check_tensor`, :func:`check_int` - argument checks with the ops' error messages.
+    * :func:`check_tensor`, :func:`check_int` - argument checks with the ops' error messages;
+    * :func:`per_tensor_cache` - memoise per-batch metadata (host lists of ``cu_seqlens``, index
+      maps) on a tensor's identity and version, so every layer reuses it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from ._cache import per_tensor_cache
 from ._registry import (BACKEND_ENTRY_POINTS, OUT_OF_TREE_DEVICE, custom_op_names, device_kernels, dispatch,
                         load_backends, register_device_kernels, use_backend)
 from .ops._row_stats import all_reduce, combine_stats, dlogits_
@@ -44,7 +47,7 @@ from .validation import check_int, check_tensor
 __all__ = [
     "BACKEND_ENTRY_POINTS", "OUT_OF_TREE_DEVICE", "register_device_kernels", "device_kernels", "load_backends",
     "custom_op_names", "torch_implementation", "LossHead", "combine_stats", "dlogits_", "all_reduce",
-    "check_tensor", "check_int",
+    "check_tensor", "check_int", "per_tensor_cache",
 ]
 
 

@@ -42,8 +42,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 
-from dapo_kernels._cache import per_tensor_cache
-from dapo_kernels.backend_api import torch_implementation
+from dapo_kernels.backend_api import per_tensor_cache, torch_implementation
 
 from ._lazy import torch_npu
 

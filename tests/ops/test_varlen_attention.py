@@ -20,6 +20,7 @@ import dapo_kernels.ops.varlen_attention as va
 from dapo_kernels.ops.varlen_attention import _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
+from tests.linear_log_probs_ways import worst_of
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -157,7 +158,7 @@ def _torch_in_dtype(q, k, v, cu, causal, scale, dout, ref64, window=(-1, -1)):
     ways = (naive[:1] + naive[2:], _sdpa_padded(q, k, v, cu, causal, scale, dout, window))
     if window == (-1, -1):
         ways += (_sdpa_per_sequence(q, k, v, cu, causal, scale, dout),)
-    worse = [max(cands, key=lambda t, r=r: max_abs_err(t, r)) for cands, r in zip(zip(*ways), ref64[:1] + ref64[2:])]
+    worse = worst_of(ways, ref64[:1] + ref64[2:])
     return (worse[0], naive[1]) + tuple(worse[1:])
 
 
@@ -222,7 +223,7 @@ def test_window_softcap_head_dims_match_reference(impl, D, Hq, Hkv, causal, dtyp
     # error on ~1 draw in 60 (D=200, a query seeing 2 keys).
     if softcap:
         ways = (_ref(q, k, v, cu, causal, None, dout, dtype, **kw), _flash_style(q, k, v, cu, causal, None, dout, **kw))
-        low = tuple(max(c, key=lambda t, r=r: max_abs_err(t, r)) for c, r in zip(zip(*ways), ref))
+        low = worst_of(ways, ref)
     else:
         low = _torch_in_dtype(q, k, v, cu, causal, None, dout, ref, window)
     assert out.dtype == dtype and lse.shape == (Hq, q.shape[0])

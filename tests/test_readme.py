@@ -1,5 +1,5 @@
 """The README's "Real signatures" block equals the public functions' signatures, and every relative
-link in README.md and docs/*.md points to a file (and heading) that exists."""
+link in README.md, docs/*.md and benchmarks/RESULTS.md points to a file (and heading) that exists."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +15,7 @@ import dapo_kernels as dk
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # Public names of dk.__all__ that are not functions to call: the result / exception types and
 # constants the ops return, raise or accept.
 NOT_IN_BLOCK = {"GroupFilterResult", "DynamicSamplingExhausted", "KL_TYPES", "LOSS_AGG_MODES"}
@@ -137,7 +138,7 @@ def relative_links(path: Path) -> list[str]:
     return [t for t in _LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
 
 
-@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", [README, *DOCS, RESULTS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
     """Every relative link (file or folder, and its #heading if any) of the page exists."""
     links = relative_links(page)

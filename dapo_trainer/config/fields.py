@@ -105,12 +105,12 @@ def _check_choice(key: str, value, tp) -> None:
     elif origin is list and typing.get_origin(args[0]) is Literal:
         for item_key, item in _items(key, value):
             _check_choice(item_key, item, args[0])
-    elif origin is Union:
+    elif origin is Union:  # a value of the Literal's type must be one of its values
         for lit in (a for a in args if typing.get_origin(a) is Literal):
-            if isinstance(value, type(typing.get_args(lit)[0])):
+            values = typing.get_args(lit)
+            if isinstance(value, type(values[0])):
                 others = [_KIND.get(typing.get_origin(a) or a, str(a)) for a in args if a is not lit]
-                choice = _one_of(typing.get_args(lit))
-                require(value in typing.get_args(lit), key, f"must be {', or '.join([choice, *others])}, got {value!r}")
+                require(value in values, key, f"must be {', or '.join([_one_of(values), *others])}, got {value!r}")
 
 
 def check_fields(obj, prefix: str = "") -> None:

@@ -26,8 +26,8 @@ import torch
 
 from dapo_kernels.backend_api import LossHead, LossParams, LossTokens, all_reduce, combine_stats, dlogits_
 
-# fp32 logits per chunk: 512 MiB keeps each matmul >= 800 rows at V = 152k (TP = 1) while
-# the ~3 chunk-sized buffers stay far below an A2's 64 GB.
+# fp32 logits per chunk: large matmuls for the cube unit, ~3 such buffers far below device memory
+# (sizing in dapo_kernels/ops/NOTES_fused_loss.md).
 CHUNK_BYTES = 512 << 20
 
 

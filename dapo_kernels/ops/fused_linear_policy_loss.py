@@ -50,8 +50,8 @@ class LossParams(NamedTuple):
 
 
 class LossSums(NamedTuple):
-    """fp64 0-dim sums over the selected tokens, weighted like the loss except the counts; the custom op
-    returns ``torch.stack(sums)``, read back with ``LossSums._make(t.unbind())``."""
+    """fp64 0-dim sums over the selected tokens, weighted like the loss except the counts and the log-ratio;
+    the custom op returns ``torch.stack(sums)``, read back with ``LossSums._make(t.unbind())``."""
     total: torch.Tensor  # the loss: pg - entropy_coeff * entropy + kl_coef * kl
     pg: torch.Tensor
     clipped: torch.Tensor  # count
@@ -62,7 +62,7 @@ class LossSums(NamedTuple):
     kl: torch.Tensor
 
 
-NUM_SUMS = len(LossSums._fields)
+_NUM_SUMS = len(LossSums._fields)
 
 
 # --------------------------------------------------------------------------- loss head
@@ -108,7 +108,7 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
     w32 = weight.float()
     log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    sums = torch.zeros(NUM_SUMS, dtype=torch.float64, device=hidden.device)
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=hidden.device)
     if compute_grad:
         d_h, d_w = grad_buffers(hidden, weight)
     else:
@@ -167,7 +167,7 @@ def _(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entro
     f32 = dict(dtype=torch.float32)
     d_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty((0, hidden.shape[1]))
     d_w = torch.empty_like(weight) if compute_grad else weight.new_empty((0, weight.shape[1]))
-    return (hidden.new_empty((NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32),
+    return (hidden.new_empty((_NUM_SUMS,), dtype=torch.float64), hidden.new_empty((n,), **f32),
             hidden.new_empty((n,), **f32), d_h, d_w)
 
 

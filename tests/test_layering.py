@@ -16,6 +16,7 @@ npu_ops or dapo_trainer.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +53,9 @@ def _resolve(base: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 def _extensions() -> set:
-    """Compiled modules (``dapo_kernels._C``): ``from . import _C`` imports them, not the package."""
-    return {".".join(p.relative_to(ROOT).parts[:-1] + (p.name.split(".")[0],))
-            for pkg in PACKAGES for p in (ROOT / pkg).rglob("*") if p.suffix in (".so", ".pyd")}
+    """Compiled modules (``dapo_kernels._C``): ``from . import _C`` imports them, not the package.
+    Read from setup.py's declarations, so a clone without the built ``.so`` sees them too."""
+    return set(re.findall(r'Extension\(\s*"([\w.]+)"', (ROOT / "setup.py").read_text()))
 
 
 def _graph(modules: dict) -> dict:

@@ -20,8 +20,9 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import (FLOAT_DTYPES, check_cu_seqlens, check_float, check_float_or_tensor, check_mask,
+from .._validation import (FLOAT_DTYPES, check_cu_seqlens, check_float_or_tensor, check_mask,
                            check_tensor)
+from ..validation import check_clip_ratios as check_clips
 from ._triton_utils import cdiv
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -64,15 +65,15 @@ def _clamp_nan(x, lo, hi):
 
 
 @triton.jit
-def _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c):
+def _pg_token_terms(b_lp, b_old, b_adv, clip_ratio_low, clip_ratio_high, clip_ratio_c):
     """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64)."""
     b_d = b_lp - b_old
     b_nkl = _clamp_nan(b_d, -20.0, 20.0)
     b_ratio = tl.exp(b_nkl)
     b_pg1 = -b_adv * b_ratio
-    b_pg2 = -b_adv * _clamp_nan(b_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    b_pg2 = -b_adv * _clamp_nan(b_ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     b_c1 = _max_nan(b_pg1, b_pg2)
-    b_pg3 = -b_adv * clip_c
+    b_pg3 = -b_adv * clip_ratio_c
     b_neg = b_adv < 0
     b_loss = tl.where(b_neg, _min_nan(b_pg3, b_c1), b_c1)
     # Gradient flows through pg1 where it wins the max (pg2 wins only where the clamp
@@ -104,7 +105,7 @@ def _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok, W_STRIDE: tl.
 
 @triton.jit
 def _policy_loss_fwd_kernel(
-    p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_low, clip_high, clip_c,
+    p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_ratio_low, clip_ratio_high, clip_ratio_c,
     W_STRIDE: tl.constexpr, BLOCK: tl.constexpr, NUM_SUMS: tl.constexpr,
 ):
     """This block's partial sums into row ``i_b`` of ``p_part``, in PolicyLossSums' field order."""
@@ -112,7 +113,8 @@ def _policy_loss_fwd_kernel(
     o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
                                                                W_STRIDE, BLOCK)
     b_m = b_m.to(tl.float64)
-    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
+    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_ratio_low, clip_ratio_high,
+                                                              clip_ratio_c)
     p_out = p_part + i_b.to(tl.int64) * NUM_SUMS
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
     tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
@@ -123,14 +125,15 @@ def _policy_loss_fwd_kernel(
 
 @triton.jit
 def _policy_loss_bwd_kernel(
-    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_dlp, n_tok, clip_low, clip_high, clip_c,
+    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_dlp, n_tok, clip_ratio_low, clip_ratio_high, clip_ratio_c,
     W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
                                                                W_STRIDE, BLOCK)
     b_g = tl.load(p_g).to(tl.float64)
-    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
+    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_ratio_low, clip_ratio_high,
+                                                              clip_ratio_c)
     b_grad = tl.where(b_m, b_g * b_w * b_dl, 0.0)
     # Through fp32: triton 3.9's interpreter converts fp64 -> bf16 wrongly (NaN, garbage).
     tl.store(p_dlp + o_t, b_grad.to(tl.float32).to(p_dlp.dtype.element_ty), mask=m_t)
@@ -143,33 +146,34 @@ def _dense(*ts: torch.Tensor):
 
 
 @register("policy_loss_sums", "triton")
-def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+def _sums_triton(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
     lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float64, device=lp.device)
     if n == 0:
         return part.zero_()[0]
     _policy_loss_fwd_kernel[(cdiv(n, _BLOCK),)](
-        lp, old, adv, mask.view(torch.uint8), w, part, n, clip_low, clip_high, clip_c,
+        lp, old, adv, mask.view(torch.uint8), w, part, n, clip_ratio_low, clip_ratio_high, clip_ratio_c,
         W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK, NUM_SUMS=_NUM_SUMS,
     )
     return part.sum(0)
 
 
 @register("policy_loss_grad", "triton")
-def _grad_triton(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+def _grad_triton(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
     lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
     n = lp.numel()
     dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
     if n:
         _policy_loss_bwd_kernel[(cdiv(n, _BLOCK),)](
-            g.reshape(1), lp, old, adv, mask.view(torch.uint8), w, dlp, n, clip_low, clip_high, clip_c,
+            g.reshape(1), lp, old, adv, mask.view(torch.uint8), w, dlp, n,
+            clip_ratio_low, clip_ratio_high, clip_ratio_c,
             W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
         )
     return dlp
 
 
-def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: float):
+def pg_token_terms(lp, old, adv, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
     """Torch twin of the kernels' ``_pg_token_terms``: fp64 (loss, dL/dlp, clip, clip_lower, log-ratio).
 
     fp64 because the loss sums terms of both signs (log-ratios reach +-20 while their mean is
@@ -180,9 +184,9 @@ def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: floa
     nkl = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = nkl.exp()
     pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg2 = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     c1 = torch.maximum(pg1, pg2)
-    pg3 = -adv * clip_c
+    pg3 = -adv * clip_ratio_c
     neg = adv < 0
     loss = torch.where(neg, torch.minimum(pg3, c1), c1)
     passes = (d.abs() <= _LOG_RATIO_CLAMP) & (~torch.isfinite(adv) | ((pg1 >= pg2) & (~neg | (c1 < pg3))))
@@ -199,43 +203,45 @@ def metric_sums(mask, clip, clip_low, nkl) -> Dict[str, torch.Tensor]:
 
 
 @register("policy_loss_sums", "torch")
-def _sums_torch(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
-    loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
+def _sums_torch(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+    loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     wl = torch.where(mask, w.double() * loss, 0.0)
     return torch.stack(PolicyLossSums(loss=wl.sum(), **metric_sums(mask, clip, clip_low_ind, nkl)))
 
 
 @register("policy_loss_grad", "torch")
-def _grad_torch(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
-    _, dl, _, _, _ = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
+def _grad_torch(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+    _, dl, _, _, _ = pg_token_terms(lp, old, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     return torch.where(mask, g.double() * w.double() * dl, 0.0).to(lp.dtype)
 
 
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("dapo::policy_loss_sums", mutates_args=())
 def policy_loss_sums(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, w: torch.Tensor,
-                     clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
+                     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> torch.Tensor:
     """``torch.stack(PolicyLossSums)`` (fp64) over flat ``[N]`` inputs.
 
     Per-token math and sums in fp64 (log-ratio terms reach +-20 while their mean is ~0.01).
     """
-    return dispatch("policy_loss_sums", lp.device)(lp, old, adv, mask, w, clip_low, clip_high, clip_c)
+    return dispatch("policy_loss_sums", lp.device)(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
 
 @policy_loss_sums.register_fake
-def _(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+def _(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
     return lp.new_empty((_NUM_SUMS,), dtype=torch.float64)
 
 
 @torch.library.custom_op("dapo::policy_loss_grad", mutates_args=())
 def policy_loss_grad(g: torch.Tensor, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                     w: torch.Tensor, clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
+                     w: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
+                     clip_ratio_c: float) -> torch.Tensor:
     """d(g * sums.loss) / d lp (``PolicyLossSums``), in lp's dtype."""
-    return dispatch("policy_loss_grad", lp.device)(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c)
+    return dispatch("policy_loss_grad", lp.device)(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high,
+                                                   clip_ratio_c)
 
 
 @policy_loss_grad.register_fake
-def _(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
+def _(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
     return torch.empty_like(lp)
 
 
@@ -317,11 +323,6 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_s
 
 
 # --------------------------------------------------------------------------- public API
-def check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> Tuple[float, float, float]:
-    return (check_float("clip_ratio_low", clip_ratio_low, valid=lambda v: 0.0 <= v < 1.0, expected="in [0, 1)"),
-            check_float("clip_ratio_high", clip_ratio_high, valid=lambda v: v >= 0.0, expected=">= 0"),
-            check_float("clip_ratio_c", clip_ratio_c, valid=lambda v: v > 1.0, expected="> 1 (dual-clip lower bound)"))
-
 
 def check_agg(mode, shape_like: torch.Tensor, cu_seqlens) -> None:
     """Mode name, and ``cu_seqlens`` present exactly when packed 1-D inputs use a seq mode."""

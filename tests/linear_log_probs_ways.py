@@ -6,7 +6,6 @@ import math
 import torch
 
 from dapo_kernels.reference import linear_log_probs_ref
-from tests.helpers import max_abs_err
 
 
 def llp_token_chunks(hidden, weight, labels, temperature=1.0, rows=8):
@@ -54,12 +53,6 @@ def llp_rolled_hidden(hidden, weight, labels, temperature=1.0):
 # so the set samples that rounding three times instead of once.
 TORCH_WAYS = (linear_log_probs_ref, llp_token_chunks, llp_scaled_weight, llp_vocab_chunks,
               llp_reordered_hidden, llp_rolled_hidden)
-
-
-def worst_of(candidates, refs):
-    """Per quantity, the candidate farthest from its float64 reference: ``candidates`` is one tuple
-    of outputs per way, ``refs`` the float64 outputs in the same order."""
-    return tuple(max(c, key=lambda t, r=r: max_abs_err(t, r)) for c, r in zip(zip(*candidates), refs))
 
 
 def make_linear(n, h, v, dtype, logit_std=2.0):

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import dapo_kernels as dk  # noqa: E402
 from dapo_kernels.integrations import transformers as dkt  # noqa: E402
-from tests.helpers import assert_close_to_ref, backend, max_abs_err  # noqa: E402
+from tests.helpers import backend  # noqa: E402
+from tests.tolerance import assert_close_to_ref, max_abs_err  # noqa: E402
 
 V = 64
 

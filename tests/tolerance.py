@@ -4,6 +4,8 @@ An op in dtype ``d`` may differ from the float64 reference by at most 2x the err
 makes computing the same thing in ``d`` (``assert_close_to_ref``); the bound never comes from a number
 picked to pass. Where torch has several usual ways to compute a quantity, its error is that of the
 least accurate one (``worst_of``): each way's max error is one draw of a heavy-tailed statistic.
+Where one output gathers every op's rounding (a whole model's gradients), the rule bounds the
+2-norm of the error over all of it (``assert_norm_close_to_ref``) instead of the max.
 """
 from __future__ import annotations
 
@@ -64,3 +66,24 @@ def assert_close_to_ref(
         f"{name}: max abs error {err:.3e} vs float64 reference exceeds {factor}x torch's own "
         f"error in {out.dtype} ({torch_err:.3e}, ulp floor {floor:.3e})"
     )
+
+
+def assert_norm_close_to_ref(outs, refs64, ways, *, name: str = "outputs", factor: float = FACTOR) -> None:
+    """||outs - refs64||_2 <= factor * the largest ||way - refs64||_2 of torch's ``ways``, each norm over
+    all the tensors together (``outs``, ``refs64`` and each way: sequences of tensors in one order).
+
+    For outputs in which a different op changes the rounding of everything downstream (a model's
+    logits and gradients): their max error is set by a few elements and differs several-fold between
+    torch's own ways, while the norm sums every element's error."""
+    def err(ts):
+        assert len(ts) == len(refs64), f"{name}: {len(ts)} tensors vs {len(refs64)} references"
+        for t, r in zip(ts, refs64):
+            assert t.shape == r.shape, f"{name}: shape {tuple(t.shape)} != reference {tuple(r.shape)}"
+        return torch.cat([(t.double() - r.double()).flatten() for t, r in zip(ts, refs64)]).norm().item()
+
+    for t in outs:
+        assert_no_nan(t, name)
+    torch_err = max(err(w) for w in ways)
+    got = err(outs)
+    assert got <= factor * torch_err, (
+        f"{name}: error norm {got:.3e} vs float64 reference exceeds {factor}x torch's own ({torch_err:.3e})")

@@ -57,6 +57,23 @@ test: install vllm-install verl-install browser
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
 
+# The tolerance-heavy tests (marked seed_sweep in tests/conftest.py) under seeds 1..SEEDS, or the
+# seeds in SEED_LIST; failures per seed in runs/seed_sweep.txt, non-zero exit if any seed failed.
+SEEDS     ?= 20
+SEED_LIST ?= $(shell seq 1 $(SEEDS))
+.PHONY: test-seeds
+test-seeds: install
+	@mkdir -p runs; : > runs/seed_sweep.txt; failed=0; \
+	for s in $(SEED_LIST); do \
+	  DAPO_TEST_SEED=$$s $(PY) -m pytest tests -m seed_sweep -n $(TEST_WORKERS) --timeout=600 -q -p no:cacheprovider \
+	    -rf > runs/seed_sweep.log 2>&1; rc=$$?; \
+	  if [ $$rc -eq 0 ]; then echo "seed $$s: passed" >> runs/seed_sweep.txt; \
+	  else failed=$$((failed + 1)); echo "seed $$s: FAILED (exit $$rc)" >> runs/seed_sweep.txt; \
+	    grep -E '^(FAILED|ERROR) ' runs/seed_sweep.log | sed 's/^/  /' >> runs/seed_sweep.txt; fi; \
+	  tail -1 runs/seed_sweep.txt; \
+	done; rm -f runs/seed_sweep.log; cat runs/seed_sweep.txt; \
+	echo "$$failed seed(s) failed (runs/seed_sweep.txt)"; [ $$failed -eq 0 ]
+
 # $(call layered_venv,DIR): a venv at DIR whose .pth adds .venv's site-packages after its own.
 layered_venv = $(PYTHON) -m venv $(1) && \
 	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \

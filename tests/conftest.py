@@ -18,10 +18,31 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 import pytest
 
-# One session seed, printed in the header: every run draws fresh inputs, and a failing
-# run is reproduced with DAPO_TEST_SEED=<printed value>.
-SESSION_SEED = int(os.environ.get("DAPO_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# One session seed, printed in the header: fixed so every run draws the same inputs; another
+# draw is DAPO_TEST_SEED=<n> (`make test-seeds` sweeps several over the tests marked seed_sweep).
+DEFAULT_SEED = 0
+SESSION_SEED = int(os.environ.get("DAPO_TEST_SEED") or DEFAULT_SEED)
 os.environ["DAPO_TEST_SEED"] = str(SESSION_SEED)  # xdist workers inherit it
+
+
+# The tolerance-heavy tests (errors against float64 compared with torch's own, equalities of
+# rounded results): marked seed_sweep here, in one place, for `make test-seeds`.
+SEED_SWEEP = (
+    "tests/ops/test_ignore_index.py::test_linear_log_probs_ignored_tokens",
+    "tests/ops/test_linear_log_probs.py::test_linear_log_probs_matches_reference",
+    "tests/ops/test_fused_linear_policy_loss.py::test_fused_matches_reference",
+    "tests/ops/test_varlen_attention.py::test_matches_reference",
+    "tests/ops/test_varlen_attention.py::test_window_softcap_head_dims_match_reference",
+    "tests/ops/test_varlen_attention.py::test_gpu_tile_shapes_match_reference",
+    "tests/test_transformers_integration.py::test_dapo_varlen_matches_sdpa",
+    "tests/trainer/test_rollout_embedded.py::test_shares_with_prompt_offset_sample_what_the_whole_batch_samples",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in SEED_SWEEP:
+            item.add_marker(pytest.mark.seed_sweep)
 
 
 def pytest_report_header(config):

@@ -1,10 +1,5 @@
-"""Shared test helpers: readable ids, backends, dtype tolerances, poisoning checks, and the
-rendezvous of multi-process (gloo) tests.
-
-Tolerance rule of the project: an op in dtype ``d`` may differ from the float64
-reference by at most 2x the error that plain torch makes computing the same thing in
-``d`` (``assert_close_to_ref``); the bound never comes from a number picked to pass.
-"""
+"""Shared test helpers: readable ids, backends, poisoning checks, exact comparisons, and the
+rendezvous of multi-process (gloo) tests. The tolerance rule and error measures: tests/tolerance.py."""
 from __future__ import annotations
 
 import os
@@ -35,52 +30,6 @@ def case_id(**kw) -> str:
 def backend(name: str):
     """Context manager forcing ``name`` ('torch' | 'triton')."""
     return dk.use_backend(name)
-
-
-def eps(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps
-
-
-def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    return (a.double() - b.double()).abs().max().item()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in float64; 0 for empty tensors, and a zero ``b`` counts as 1e-30
-    (so ``a == b == 0`` is 0, not NaN)."""
-    if b.numel() == 0:
-        return 0.0
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
-def assert_close_to_ref(
-    out: torch.Tensor,
-    ref64: torch.Tensor,
-    torch_out: torch.Tensor,
-    *,
-    name: str = "output",
-    factor: float = 2.0,
-) -> None:
-    """|out - ref64| <= factor * max(|torch_out - ref64|, one ulp of the result's scale).
-
-    ``torch_out`` is plain torch computing the same quantity in the same low precision as
-    ``out``; its error against the float64 reference is what that dtype costs. The ulp
-    floor covers cases where torch happens to be exact (e.g. tiny sizes), where any
-    correct kernel still rounds once.
-    """
-    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}"
-    assert_no_nan(out, name)
-    torch_err = max_abs_err(torch_out, ref64)
-    scale = ref64.abs().max().item() if ref64.numel() else 0.0
-    floor = eps(out.dtype if out.dtype.is_floating_point else torch.float32) * max(scale, 1e-30)
-    bound = factor * max(torch_err, floor)
-    err = max_abs_err(out, ref64)
-    assert err <= bound, (
-        f"{name}: max abs error {err:.3e} vs float64 reference exceeds {factor}x torch's own "
-        f"error in {out.dtype} ({torch_err:.3e}, ulp floor {floor:.3e})"
-    )
 
 
 def assert_no_nan(t: torch.Tensor, name: str = "output") -> None:

@@ -1,12 +1,12 @@
 """Shared by the tests of linear_log_probs, fused_linear_policy_loss (tests/ops, tests/npu_fake)
 and their vocab-parallel check: plain torch's usual ways to compute log-probs / entropy (the
-tolerance is the worst of them), and the inputs and gradient plumbing of those tests."""
+tolerance is the worst of them, tests/tolerance.py), and the inputs and gradient plumbing of those tests."""
 import math
 
 import torch
 
 from dapo_kernels.reference import linear_log_probs_ref
-from tests.helpers import max_abs_err
+from tests.tolerance import worst_of
 
 
 def llp_token_chunks(hidden, weight, labels, temperature=1.0, rows=8):
@@ -47,19 +47,12 @@ def llp_rolled_hidden(hidden, weight, labels, temperature=1.0):
 
 # Plain torch's usual ways to compute log-probs / entropy. At these sizes each output's max error is
 # the max of a handful of heavy-tailed rounding errors - often one token's, whose gradient dwarfs
-# the others' - and one summation order can be lucky (dW's ratio between two orders reaches 3.5x
-# over 30 seeds); torch's own error for the tolerance is the least accurate of these, as
-# tests/ops/test_varlen_attention.py's _torch_in_dtype does. The first four share most of their
-# logits' rounding (same hidden-dim order); the last two sum the hidden dimension in other orders,
-# so the set samples that rounding three times instead of once.
+# the others' - so one summation order can be lucky; torch's own error for the tolerance is the
+# least accurate of these. The first four share most of their logits' rounding (same hidden-dim
+# order); the last two sum the hidden dimension in other orders, so the set samples that rounding
+# three times instead of once.
 TORCH_WAYS = (linear_log_probs_ref, llp_token_chunks, llp_scaled_weight, llp_vocab_chunks,
               llp_reordered_hidden, llp_rolled_hidden)
-
-
-def worst_of(candidates, refs):
-    """Per quantity, the candidate farthest from its float64 reference: ``candidates`` is one tuple
-    of outputs per way, ``refs`` the float64 outputs in the same order."""
-    return tuple(max(c, key=lambda t, r=r: max_abs_err(t, r)) for c, r in zip(zip(*candidates), refs))
 
 
 def make_linear(n, h, v, dtype, logit_std=2.0):
@@ -74,6 +67,16 @@ def grads_of(fn, hidden, weight, *cot):
     outs = fn(h, w)
     dh, dw = torch.autograd.grad(sum((o * c.to(o.dtype)).sum() for o, c in zip(outs, cot)), [h, w])
     return outs, dh, dw
+
+
+def reference_and_torch(hidden, weight, labels, cot, temperature=1.0):
+    """((log_prob, entropy, dhidden, dweight) in float64, the same from the least accurate of
+    TORCH_WAYS in the inputs' dtype), for the cotangents ``cot`` of log_prob and entropy."""
+    (lp, ent), dh, dw = grads_of(lambda h, w: linear_log_probs_ref(h, w, labels, temperature),
+                                 hidden.double(), weight.double(), *cot)
+    ref = (lp, ent, dh, dw)
+    ways = [grads_of(lambda h, w, f=f: f(h, w, labels, temperature), hidden, weight, *cot) for f in TORCH_WAYS]
+    return ref, worst_of([(*o, dh_, dw_) for o, dh_, dw_ in ways], ref)
 
 
 def fused_inputs(n, v, *, ref=True):

@@ -27,7 +27,7 @@ import dapo_kernels as dk
 from dapo_kernels._registry import custom_op_names
 from dapo_kernels.flash_attn_compat import flash_attn_varlen_func
 from dapo_kernels.reference.kl_penalty import kl_penalty_ref
-from tests.helpers import assert_close_to_ref
+from tests.tolerance import assert_close_to_ref
 from tests.op_cases import CASES, CASES_BY_NAME, OpCase, run_case
 
 

@@ -12,8 +12,9 @@ from dapo_kernels.backend_api import LossParams, LossSums, LossTokens
 from dapo_kernels.ops.policy_loss import aggregation_weights
 from dapo_kernels.reference import fused_linear_policy_loss_ref
 from npu_ops import linear_log_probs as loss
-from tests.helpers import assert_close_to_ref, case_id
-from tests.linear_log_probs_ways import TORCH_WAYS, make_linear, worst_of
+from tests.helpers import case_id
+from tests.linear_log_probs_ways import TORCH_WAYS, make_linear
+from tests.tolerance import assert_close_to_ref, worst_of
 
 N, H, V = 37, 24, 50
 CHUNK_ROWS = 8  # 5 chunks, the last one partial

@@ -9,7 +9,8 @@ import torch
 import dapo_kernels as dk
 from dapo_kernels.reference import varlen_attention_ref
 from npu_ops import varlen_attention as attention
-from tests.helpers import assert_close_to_ref, case_id, cu_seqlens_from
+from tests.helpers import case_id, cu_seqlens_from
+from tests.tolerance import assert_close_to_ref
 
 CASES = [  # lengths, Hq, Hkv, D, causal, dtype
     ([5, 0, 9, 1], 4, 2, 16, True, torch.float32),

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from tests.helpers import assert_close_to_ref, cu_seqlens_from
+from tests.helpers import cu_seqlens_from
+from tests.tolerance import assert_close_to_ref
 
 
 def _npu_or_skip_reason():

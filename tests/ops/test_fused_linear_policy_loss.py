@@ -9,8 +9,9 @@ import torch
 import dapo_kernels as dk
 import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
 from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_probs_ref
-from tests.helpers import assert_close_to_ref, backend, cu_seqlens_from
-from tests.linear_log_probs_ways import TORCH_WAYS, fused_inputs, make_linear, worst_of
+from tests.helpers import backend, cu_seqlens_from
+from tests.linear_log_probs_ways import TORCH_WAYS, fused_inputs, make_linear
+from tests.tolerance import assert_close_to_ref, worst_of
 
 
 FUSED_CASES = [

@@ -11,7 +11,8 @@ import torch
 
 import dapo_kernels as dk
 from dapo_kernels.reference import group_filter_ref, overlong_penalty_ref
-from tests.helpers import assert_close_to_ref, assert_equal, backend, case_id
+from tests.helpers import assert_equal, backend, case_id
+from tests.tolerance import assert_close_to_ref
 
 EPS = 1e-6
 

@@ -4,7 +4,7 @@ import torch
 
 import dapo_kernels as dk
 from dapo_kernels.reference import kl_penalty_ref
-from tests.helpers import assert_close_to_ref
+from tests.tolerance import assert_close_to_ref
 
 
 @pytest.mark.parametrize("kl_type", ["kl", "abs", "mse", "low_var_kl", "k3+"])

@@ -5,8 +5,9 @@ import torch
 
 import dapo_kernels as dk
 from dapo_kernels.reference import linear_log_probs_ref
-from tests.helpers import assert_close_to_ref, backend, case_id, max_abs_err
-from tests.linear_log_probs_ways import TORCH_WAYS, grads_of, make_linear, worst_of
+from tests.helpers import backend, case_id
+from tests.linear_log_probs_ways import TORCH_WAYS, grads_of, make_linear
+from tests.tolerance import assert_close_to_ref, max_abs_err, worst_of
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])

@@ -32,7 +32,8 @@ def _references(hidden, weight, labels, cot, kw):
 
     import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
     from dapo_kernels.reference import fused_linear_policy_loss_ref
-    from tests.linear_log_probs_ways import TORCH_WAYS, grads_of, llp_vocab_chunks, worst_of
+    from tests.linear_log_probs_ways import TORCH_WAYS, grads_of, llp_vocab_chunks
+    from tests.tolerance import worst_of
 
     # Plus torch the Megatron way: log-softmax combined from per-shard statistics.
     def per_shard(h, w, lab, t):
@@ -72,7 +73,7 @@ def _compare(rank, be, hidden, weight, labels, shard, cot, kw, errors):
     """Sharding only regroups the vocab sums, so the vocab-sharded result may differ from the same op
     unsharded by at most 2x the error plain torch itself makes in fp32 (the worst of its usual ways,
     Megatron's per-shard log-softmax included) against the float64 reference."""
-    from tests.helpers import max_abs_err
+    from tests.tolerance import max_abs_err
 
     refs = _references(hidden, weight, labels, cot, kw)
     full = _run_op(be, hidden, weight, labels, cot, kw, None)

@@ -22,7 +22,8 @@ from typing import Dict, Optional, Tuple
 import pytest
 import torch
 
-from tests.helpers import BACKENDS, backend, eps
+from tests.helpers import BACKENDS, backend
+from tests.tolerance import eps
 from tests.op_cases import CASES, OpCase, run_case
 
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": -float("inf")}

@@ -19,8 +19,8 @@ import dapo_kernels as dk
 import dapo_kernels.ops.varlen_attention as va
 from dapo_kernels.ops.varlen_attention import _work_list
 from dapo_kernels.reference import varlen_attention_ref
-from tests.helpers import assert_close_to_ref, backend, case_id, cu_seqlens_from, max_abs_err
-from tests.linear_log_probs_ways import worst_of
+from tests.helpers import backend, case_id, cu_seqlens_from
+from tests.tolerance import assert_close_to_ref, max_abs_err, worst_of
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 

@@ -10,7 +10,7 @@ import torch
 from dapo_trainer.config import DynamicTokenLenConfig, load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.trainer import DAPOTrainer, masked_log_probs, scaled_token_len
-from tests.helpers import assert_close_to_ref
+from tests.tolerance import assert_close_to_ref
 from tests.trainer.test_multiturn import echo_setup
 from tests.trainer.tiny import micro_setup, write_tiny_model
 

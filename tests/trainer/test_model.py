@@ -13,7 +13,8 @@ import torch
 
 import dapo_kernels as dk
 from dapo_trainer import ModelConfig, Transformer, config_from_hf, load_hf_model, read_hf_config, save_hf_model
-from tests.helpers import cu_seqlens_from, rel_err
+from tests.helpers import cu_seqlens_from
+from tests.tolerance import rel_err
 
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers (requirements-dev.txt)")
 

@@ -18,7 +18,7 @@ from dapo_trainer.envs import EnvironmentError_, load_environment
 from dapo_trainer.rollout import RolloutConfig, make_rollout
 from dapo_trainer.rollout.multiturn import multi_turn_rollout
 from dapo_trainer.trainer import DAPOTrainer
-from tests.helpers import assert_close_to_ref
+from tests.tolerance import assert_close_to_ref
 from tests.trainer.tiny import micro_setup, write_tiny_model
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"

@@ -29,7 +29,8 @@ from dapo_trainer.parallel import (
     tp_shard_dims,
     unshard,
 )
-from tests.helpers import cu_seqlens_from, max_abs_err, rel_err, spawn_process_group
+from tests.helpers import cu_seqlens_from, spawn_process_group
+from tests.tolerance import max_abs_err, rel_err
 
 # Float32 equality bound set by the issue (max |parallel - single| / max |single|).
 RTOL = 1e-5

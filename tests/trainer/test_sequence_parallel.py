@@ -22,7 +22,8 @@ from dapo_kernels.reference import fused_linear_policy_loss_ref, linear_log_prob
 from dapo_trainer import ModelConfig, Transformer, load_hf_model, save_hf_model
 from dapo_trainer.offload import ActivationOffload
 from dapo_trainer.parallel import apply_sequence_parallel, parallelize, shard_sequence, sp_micro_batches
-from tests.helpers import cu_seqlens_from, max_abs_err, spawn_process_group
+from tests.helpers import cu_seqlens_from, spawn_process_group
+from tests.tolerance import max_abs_err
 from tests.trainer.collective_audit import CollectiveAudit
 
 WORLD = 4

@@ -23,8 +23,11 @@ from dapo_kernels.validation import to_device_checked
 
 from .parallel import ParallelDims, apply_ddp, balanced_dp_split, shard_sequence, sp_micro_batches, tp_shard_dims
 
-# Metrics of the update that are per-token fractions: summed times tokens, averaged over response tokens.
-_TOKEN_MEANS = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy")
+# The loss's per-token fractions (its name: the metric's), summed times tokens over the update.
+_LOSS_FRACTIONS = {"pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+                   "ppo_kl": "actor/ppo_kl"}
+# Metrics averaged over the update's response tokens.
+_TOKEN_MEANS = (*_LOSS_FRACTIONS.values(), "actor/entropy")
 # The update's metric sums kept on the device: per mini-batch means, token-weighted sums, and the token count.
 _SUMS = ("actor/pg_loss", "actor/kl_loss") + _TOKEN_MEANS + ("tokens",)
 
@@ -252,8 +255,8 @@ class Actor:
                 ntok = mb["mask"].sum().double()
                 sums["actor/pg_loss"] += m["pg_loss"].double()
                 sums["actor/kl_loss"] += m.get("kl_loss", m["pg_loss"] * 0).double()
-                for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                    sums[f"actor/{name}"] += m[name].double() * ntok
+                for theirs, ours in _LOSS_FRACTIONS.items():
+                    sums[ours] += m[theirs].double() * ntok
                 sums["actor/entropy"] += (m["entropy"].double() * mb["mask"]).sum()
                 sums["tokens"] += ntok
         return mini_loss, has_kl

@@ -221,3 +221,30 @@ def test_non_finite_gradients_stop_the_run_after_max_nonfinite_steps(tmp_path, m
     w1 = _weights(root, 1)
     assert all(torch.equal(start[k], w1[k]) for k in start)
     assert not os.path.exists(os.path.join(root, "run", "checkpoints", "global_step_2"))
+
+
+def test_rollout_share_pack_unpack_round_trip():
+    """A rollout share read back from its packed float64 table has every field's values and dtype."""
+    from dataclasses import fields
+
+    from dapo_trainer.generation import RolloutShare
+
+    g = torch.Generator().manual_seed(0)
+    N, P, R = 5, 3, 4
+    share = RolloutShare(
+        prompt_ids=torch.randint(0, 2**40, (N, P), generator=g),
+        response_ids=torch.randint(0, 2**40, (N, R), generator=g),
+        log_probs=-torch.rand(N, R, generator=g), sampled=torch.rand(N, R, generator=g) > 0.5,
+        prompt_len=torch.randint(1, P + 1, (N,), generator=g), response_len=torch.randint(0, R + 1, (N,), generator=g),
+        stopped=torch.rand(N, generator=g) > 0.5, score=torch.randn(N, generator=g, dtype=torch.float64),
+        acc=torch.rand(N, generator=g, dtype=torch.float64), reward=torch.randn(N, generator=g, dtype=torch.float64),
+        filter_metric=torch.randn(N, generator=g, dtype=torch.float64), failed=torch.rand(N, generator=g) > 0.5,
+        turns=torch.randint(1, 4, (N,), generator=g).double())
+    table = share.pack()
+    assert table.dtype == torch.float64 and table.shape == (N, P + 3 * R + 9)
+    back = RolloutShare.unpack(table, P, R)
+    for f in fields(RolloutShare):
+        a, b = getattr(share, f.name), getattr(back, f.name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f.name
+    empty = RolloutShare.empty(P, R)
+    assert empty.prompt_ids.shape == (0, P) and empty.sampled.shape == (0, R) and empty.score.shape == (0,)

@@ -129,7 +129,7 @@ def test_pad_input_still_checks_indices_it_did_not_produce():
 
 
 def test_trainer_update_reads_nothing_inside_the_micro_batch_loop(tmp_path, monkeypatch):
-    """update(): host-side planning and packing aside, its reads do not depend on the number of
+    """Actor.update(): host-side planning and packing aside, its reads do not depend on the number of
     micro-batches (one per optimizer update, for its loss and gradient norm, and one for the
     step's metrics; the optimizer's own step counters are host tensors): halving the token cap
     doubles the micro-batches and adds no read."""
@@ -141,8 +141,8 @@ def test_trainer_update_reads_nothing_inside_the_micro_batch_loop(tmp_path, monk
     counts, micro = {}, {}
     for cap in (24, 12):
         trainer = DAPOTrainer(load_config(overrides=base + [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={cap}"]))
-        batch, _ = trainer.collect(1)
-        plan, pack = trainer._plan, trainer._pack
+        batch, _ = trainer.generation.collect(1)
+        plan, pack = trainer.actor.plan, trainer.actor.pack
         with count_host_syncs() as c:
             def counted_plan(b):
                 with c.paused():
@@ -154,10 +154,10 @@ def test_trainer_update_reads_nothing_inside_the_micro_batch_loop(tmp_path, monk
                 with c.paused():
                     return pack(b, rows)
 
-            monkeypatch.setattr(trainer, "_plan", counted_plan)
-            monkeypatch.setattr(trainer, "_pack", paused_pack)
+            monkeypatch.setattr(trainer.actor, "plan", counted_plan)
+            monkeypatch.setattr(trainer.actor, "pack", paused_pack)
             with backend("triton"):  # the path a GPU runs (the CPU path reads its length buckets)
-                metrics = trainer.update(batch)
+                metrics = trainer.actor.update(batch)
         counts[cap] = c.count
         assert metrics["actor/num_updates"] == 1
         print(f"token cap {cap}: {micro[cap]} micro-batches, {c.count} reads")

@@ -18,9 +18,12 @@ _EXPORTS = {
     "ColumnParallelLinear": "tensor", "RowParallelLinear": "tensor", "VocabParallelEmbedding": "tensor",
     "full_state_dict": "tensor", "parallelize": "tensor", "tp_shard_dims": "tensor", "unshard": "tensor",
     "apply_sequence_parallel": "sequence", "shard_sequence": "sequence",
+    "ParallelDims": "dims", "parallelize_model": "dims",
 }
 
 __all__ = [
+    "ParallelDims",
+    "parallelize_model",
     "parallelize",
     "apply_sequence_parallel",
     "shard_sequence",

@@ -98,7 +98,7 @@ def run_profile(cfg, *, steps: Optional[int] = None, duration: Optional[float] =
     cap = a.ppo_max_token_len_per_gpu * a.ulysses_sequence_parallel_size if a.use_dynamic_bsz else None
 
     rec = defaultdict(list)  # what the wrappers see during the current step
-    gen_batch, plan, save = trainer.generation_batch, trainer._plan, trainer.save
+    gen_batch, plan, save = trainer.generation.generation_batch, trainer.actor.plan, trainer.save
 
     def timed_generation_batch(step, k):
         t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def run_profile(cfg, *, steps: Optional[int] = None, duration: Optional[float] =
         rec["micro_tokens"] += [sum(seqlens[i] for i in mb) for mini in p for mb in mini["micro"]]
         return p
 
-    trainer.generation_batch, trainer._plan = timed_generation_batch, recorded_plan
+    trainer.generation.generation_batch, trainer.actor.plan = timed_generation_batch, recorded_plan
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)

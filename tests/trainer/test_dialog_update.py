@@ -2,14 +2,14 @@
 batch's dialogue turns (``actor.dynamic_token_len``) and its utilisation, and old / reference
 log-probs projected onto the vocabulary only where the response mask is set."""
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dapo_trainer.config import DynamicTokenLenConfig, load_config
 from dapo_trainer.hf_io import load_hf_model
-from dapo_trainer.trainer import DAPOTrainer, masked_log_probs, scaled_token_len
+from dapo_trainer.actor import masked_log_probs, pack_micro_batch, scaled_token_len
+from dapo_trainer.trainer import DAPOTrainer
 from tests.tolerance import assert_close_to_ref
 from tests.trainer.test_multiturn import echo_setup
 from tests.trainer.tiny import micro_setup, write_tiny_model
@@ -58,13 +58,13 @@ def test_update_scales_micro_batches_by_turns_and_reports_utilization(tmp_path):
         "trainer.val_before_train=false", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24",
         f"{key}={{long_turns: 5, long_factor: 1.5, short_turns: 2, short_factor: 0.7, max_token_len: 32}}"]
     trainer = DAPOTrainer(load_config(overrides=base))
-    batch, _ = trainer.collect(1)
+    batch, _ = trainer.generation.collect(1)
     assert torch.equal(batch["num_turns"], torch.ones_like(batch["num_turns"]))  # single-turn rows: 1 turn
     seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
     caps, micro = {}, {}
     for turns in (1.0, 3.0, 6.0):
         batch["num_turns"] = torch.full_like(batch["num_turns"], turns)
-        plan = trainer._plan(batch)
+        plan = trainer.actor.plan(batch)
         caps[turns] = {p["max_token_len"] for p in plan}
         micro[turns] = sum(len(p["micro"]) for p in plan)
         for p in plan:
@@ -72,7 +72,7 @@ def test_update_scales_micro_batches_by_turns_and_reports_utilization(tmp_path):
     # 0.7 x 24 = 16 (the longest sequence is shorter), 24, min(36, ceiling 32).
     assert caps == {1.0: {max(16, max(seqlens))}, 3.0: {24}, 6.0: {32}}, caps
     assert micro[1.0] >= micro[3.0] >= micro[6.0] and micro[1.0] > micro[6.0], micro
-    m = trainer.update(batch)  # num_turns 6: the long cap
+    m = trainer.actor.update(batch)  # num_turns 6: the long cap
     assert m["actor/max_token_len"] == 32 and m["actor/num_micro_batches"] == micro[6.0]
     assert m["actor/micro_batch_utilization"] == pytest.approx(sum(seqlens) / (micro[6.0] * 32))
     assert 0 < m["actor/micro_batch_utilization"] <= 1
@@ -81,7 +81,7 @@ def test_update_scales_micro_batches_by_turns_and_reports_utilization(tmp_path):
 def test_multiturn_batch_carries_each_dialogues_turns(tmp_path):
     overrides = echo_setup(tmp_path) + ["algorithm.filter_groups.enable=false", "trainer.val_before_train=false"]
     trainer = DAPOTrainer(load_config(overrides=overrides))
-    batch, _ = trainer.collect(1)
+    batch, _ = trainer.generation.collect(1)
     # An assistant turn is a run of sampled tokens: the runs of the response mask count the turns.
     for row, turns in enumerate(batch["num_turns"].tolist()):
         m = batch["response_mask"][row, :int(batch["response_len"][row])].tolist()
@@ -92,7 +92,7 @@ def test_multiturn_batch_carries_each_dialogues_turns(tmp_path):
 
 def _multiturn_micro_batch(V, gen):
     """A packed batch of 5 dialogues: random prompt / response tokens, responses that alternate
-    sampled and environment spans (the trainer's ``_pack`` lays them out and builds the mask)."""
+    sampled and environment spans (``pack_micro_batch`` lays them out and builds the mask)."""
     B, P, R = 5, 7, 12
     prompt_len = torch.randint(2, P + 1, (B,), generator=gen)
     response_len = torch.randint(3, R + 1, (B,), generator=gen)
@@ -106,7 +106,7 @@ def _multiturn_micro_batch(V, gen):
     batch = {"prompt_ids": torch.randint(2, V, (B, P), generator=gen), "prompt_len": prompt_len,
              "response_ids": torch.randint(2, V, (B, R), generator=gen), "response_len": response_len,
              "response_mask": mask, "advantages": torch.randn(B, generator=gen)}
-    return DAPOTrainer._pack(SimpleNamespace(device=torch.device("cpu"), sp=1), batch, list(range(B)))
+    return pack_micro_batch(batch, list(range(B)), torch.device("cpu"))
 
 
 def test_old_and_ref_log_probs_projected_only_where_the_mask_is_set(tmp_path):

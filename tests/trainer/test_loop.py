@@ -10,6 +10,7 @@ from dapo_trainer.checkpoint import load_state_file
 from dapo_trainer.config import load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.metrics import read_metrics
+from dapo_trainer.actor import Actor
 from dapo_trainer.trainer import DAPOTrainer, NonFiniteTrainingError
 from tests.trainer.tiny import ZERO_REWARD, micro_setup
 
@@ -78,23 +79,24 @@ def test_kill_and_resume_matches_uninterrupted(uninterrupted, tmp_path, monkeypa
     root_full, _, _, full_lines = uninterrupted
     overrides = micro_setup(str(tmp_path)) + STEPS3
     # The model, data and reward files are regenerated identically under the new root.
-    real_update = DAPOTrainer.update
+    real_update, calls = Actor.update, []
 
-    def crash_in_step_3(self, batch):
-        if self.global_step == 2:
+    def crash_in_step_3(self, batch):  # one update per step
+        calls.append(1)
+        if len(calls) == 3:
             raise KeyboardInterrupt("killed")  # as a SIGINT mid-step would
         return real_update(self, batch)
 
-    monkeypatch.setattr(DAPOTrainer, "update", crash_in_step_3)
+    monkeypatch.setattr(Actor, "update", crash_in_step_3)
     with pytest.raises(KeyboardInterrupt):
         DAPOTrainer(load_config(overrides=overrides)).fit()
-    monkeypatch.setattr(DAPOTrainer, "update", real_update)
+    monkeypatch.setattr(Actor, "update", real_update)
     run = os.path.join(str(tmp_path), "run")
     assert [m["step"] for m in read_metrics(run)] == [0, 1, 2]
     carried = load_state_file(os.path.join(run, "checkpoints", "global_step_2", "state_rank0.safetensors"))[
         "accumulator"]["num_buffered_groups"]
     resumed = DAPOTrainer(load_config(overrides=overrides))
-    assert resumed.global_step == 2 and resumed.accumulator.num_buffered_groups == carried
+    assert resumed.global_step == 2 and resumed.generation.accumulator.num_buffered_groups == carried
     resumed.fit()
     lines = read_metrics(run)
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
@@ -129,17 +131,17 @@ def test_killed_before_the_first_checkpoint_never_repeats_a_step(tmp_path, monke
     """Three kills in step 1 (after step 0's validation row), then a full run: one row per step."""
     overrides = micro_setup(str(tmp_path)) + ["trainer.total_training_steps=1"]
     run = os.path.join(str(tmp_path), "run")
-    real_update = DAPOTrainer.update
+    real_update = Actor.update
 
     def killed(self, batch):
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(DAPOTrainer, "update", killed)
+    monkeypatch.setattr(Actor, "update", killed)
     for _ in range(3):
         with pytest.raises(KeyboardInterrupt):
             DAPOTrainer(load_config(overrides=overrides)).fit()
         assert [m["step"] for m in read_metrics(run)] == [0]
-    monkeypatch.setattr(DAPOTrainer, "update", real_update)
+    monkeypatch.setattr(Actor, "update", real_update)
     DAPOTrainer(load_config(overrides=overrides)).fit()
     assert [m["step"] for m in read_metrics(run)] == [0, 1]
 
@@ -159,11 +161,12 @@ class _InfGrad(torch.autograd.Function):
 def _poison(monkeypatch, bad_steps, kind):
     """Make the policy loss of steps ``bad_steps`` non-finite (``kind="loss"``: the value only,
     the gradient stays finite) or their gradient non-finite (``kind="grad"``)."""
-    real_loss, real_update = dk.fused_linear_policy_loss, DAPOTrainer.update
-    current = {}
+    real_loss, real_update = dk.fused_linear_policy_loss, Actor.update
+    current = {"step": 0}
 
-    def update(self, batch):
-        current["bad"] = self.global_step + 1 in bad_steps
+    def update(self, batch):  # one update per step, from step 1
+        current["step"] += 1
+        current["bad"] = current["step"] in bad_steps
         return real_update(self, batch)
 
     def loss_fn(hidden, *args, **kwargs):
@@ -174,7 +177,7 @@ def _poison(monkeypatch, bad_steps, kind):
             loss = loss + torch.tensor(float("nan"))  # no gradient path: only the value is NaN
         return loss, m
 
-    monkeypatch.setattr(DAPOTrainer, "update", update)
+    monkeypatch.setattr(Actor, "update", update)
     monkeypatch.setattr(dk, "fused_linear_policy_loss", loss_fn)
 
 
@@ -218,3 +221,30 @@ def test_non_finite_gradients_stop_the_run_after_max_nonfinite_steps(tmp_path, m
     w1 = _weights(root, 1)
     assert all(torch.equal(start[k], w1[k]) for k in start)
     assert not os.path.exists(os.path.join(root, "run", "checkpoints", "global_step_2"))
+
+
+def test_rollout_share_pack_unpack_round_trip():
+    """A rollout share read back from its packed float64 table has every field's values and dtype."""
+    from dataclasses import fields
+
+    from dapo_trainer.generation import RolloutShare
+
+    g = torch.Generator().manual_seed(0)
+    N, P, R = 5, 3, 4
+    share = RolloutShare(
+        prompt_ids=torch.randint(0, 2**40, (N, P), generator=g),
+        response_ids=torch.randint(0, 2**40, (N, R), generator=g),
+        log_probs=-torch.rand(N, R, generator=g), sampled=torch.rand(N, R, generator=g) > 0.5,
+        prompt_len=torch.randint(1, P + 1, (N,), generator=g), response_len=torch.randint(0, R + 1, (N,), generator=g),
+        stopped=torch.rand(N, generator=g) > 0.5, score=torch.randn(N, generator=g, dtype=torch.float64),
+        acc=torch.rand(N, generator=g, dtype=torch.float64), reward=torch.randn(N, generator=g, dtype=torch.float64),
+        filter_metric=torch.randn(N, generator=g, dtype=torch.float64), failed=torch.rand(N, generator=g) > 0.5,
+        turns=torch.randint(1, 4, (N,), generator=g).double())
+    table = share.pack()
+    assert table.dtype == torch.float64 and table.shape == (N, P + 3 * R + 9)
+    back = RolloutShare.unpack(table, P, R)
+    for f in fields(RolloutShare):
+        a, b = getattr(share, f.name), getattr(back, f.name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f.name
+    empty = RolloutShare.empty(P, R)
+    assert empty.prompt_ids.shape == (0, P) and empty.sampled.shape == (0, R) and empty.score.shape == (0,)

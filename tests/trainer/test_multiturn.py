@@ -6,7 +6,6 @@ import json
 import os
 import random
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dapo_trainer.data import load_tokenizer
 from dapo_trainer.envs import EnvironmentError_, load_environment
 from dapo_trainer.rollout import RolloutConfig, make_rollout
 from dapo_trainer.rollout.multiturn import multi_turn_rollout
+from dapo_trainer.actor import pack_micro_batch
 from dapo_trainer.trainer import DAPOTrainer
 from tests.tolerance import assert_close_to_ref
 from tests.trainer.tiny import micro_setup, write_tiny_model
@@ -154,7 +154,7 @@ def test_masks_exclude_every_environment_token(tmp_path, chat):
             assert rendered.replace(" ", "").startswith(text.replace(" ", ""))
     # The trainer packs the same mask: label t+1 predicted at t only for sampled tokens.
     batch, rows = _batch(out, 40, 60)
-    mb = DAPOTrainer._pack(SimpleNamespace(device=torch.device("cpu"), sp=1), batch, rows)
+    mb = pack_micro_batch(batch, rows, torch.device("cpu"))
     assert int(mb["mask"].sum()) == int(out.response_mask.sum())
     assert mb["labels"][mb["mask"]].tolist() == out.response_ids[out.response_mask].tolist()
 
@@ -201,7 +201,7 @@ def _masked_loss_ref(hidden, weight, labels, old, adv, ref_lp, mask, cu, mode, T
 def test_fused_loss_on_multiturn_batch_equals_masked_float64_reference(tmp_path, mode):
     _, _, _, out = _rollout(tmp_path, False, RandomEnv(seed=random.randrange(10**6), p_done=0.1))
     batch, rows = _batch(out, 40, 60)
-    mb = DAPOTrainer._pack(SimpleNamespace(device=torch.device("cpu"), sp=1), batch, rows)
+    mb = pack_micro_batch(batch, rows, torch.device("cpu"))
     T, H, V = mb["input_ids"].shape[0], 16, 64
     g = torch.Generator().manual_seed(random.randrange(2**31))
     hidden, weight = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) * 0.5

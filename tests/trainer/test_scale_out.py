@@ -64,7 +64,7 @@ def _run_trainer(overrides) -> dict:
     """One train step and a validation under the audit; what the step generated and trained on."""
     trainer = DAPOTrainer(load_config(overrides=overrides))
     gen_tokens, batches = [], []
-    generate, collect = trainer.engine.generate, trainer.collect
+    generate, collect = trainer.engine.generate, trainer.generation.collect
 
     def counting_generate(*args, **kwargs):
         out = generate(*args, **kwargs)
@@ -76,24 +76,24 @@ def _run_trainer(overrides) -> dict:
         batches.append({k: v.clone() for k, v in batch.items()})
         return batch, metrics
 
-    trainer.engine.generate, trainer.collect = counting_generate, keeping_collect
-    micro, plan = [], trainer._plan
+    trainer.engine.generate, trainer.generation.collect = counting_generate, keeping_collect
+    micro, plan = [], trainer.actor.plan
 
     def counting_plan(batch):
         p = plan(batch)
         micro.extend(len(m["micro"]) for m in p)
         return p
 
-    trainer._plan = counting_plan
+    trainer.actor.plan = counting_plan
     with CollectiveAudit(simulate="cuda") as audit:
-        if trainer.ddp is not None:
+        if trainer.actor.ddp is not None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
             def counting_hook(group, bucket):  # DDP's own reduction, counted per bucket
                 audit.calls.append((audit.phase, "ddp_bucket"))
                 return allreduce_hook(group, bucket)
 
-            trainer.ddp.register_comm_hook(trainer.grad_group, counting_hook)
+            trainer.actor.ddp.register_comm_hook(trainer.dims.grad_group, counting_hook)
         audit.phase = "step"
         metrics = trainer.train_step()
         train_tokens = sum(gen_tokens)

@@ -1,0 +1,370 @@
+"""The generation stage of a DAPO step: sample, reward and filter until a train batch is full.
+
+Each data-parallel replica (a TP x SP group) samples and rewards a contiguous share of the
+generation batch's prompts, whole groups, with the random streams the whole batch would draw
+(``prompt_offset``); the shares (:class:`RolloutShare`) are all-gathered, so every rank holds the
+same batch and dynamic sampling (``dk.group_filter``, ``dk.DynamicBatchAccumulator``) decides
+identically everywhere. Multi-turn rollouts are split the same way, but their later turns draw
+streams keyed by the replica's own engine calls: with an environment, 1 and 2 replicas sample
+differently.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import dapo_kernels as dk
+
+from . import data as data_mod
+from . import dialogue, rewards
+from .parallel import ParallelDims
+from .rollout.multiturn import multi_turn_rollout
+
+# The accumulator's statistics of a step, under the trainer's metric names.
+_SAMPLING_METRICS = {
+    "train/num_gen_batches": "dynamic_sampling/gen_batches", "train/seen_groups": "dynamic_sampling/groups_seen",
+    "train/kept_groups": "dynamic_sampling/groups_kept", "train/keep_rate": "dynamic_sampling/keep_rate",
+    "train/all_correct_groups": "dynamic_sampling/groups_all_correct",
+    "train/all_wrong_groups": "dynamic_sampling/groups_all_wrong",
+    "train/carried_in_groups": "dynamic_sampling/groups_carried_in",
+    "train/carried_over_groups": "dynamic_sampling/groups_carried_over",
+}
+_TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/filter")
+
+
+def _column(dtype: torch.dtype, width: Optional[str] = None):
+    """A :class:`RolloutShare` field: its dtype, and ``"prompt"`` / ``"response"`` for a padded row."""
+    return field(metadata={"dtype": dtype, "width": width})
+
+
+@dataclass
+class RolloutShare:
+    """A replica's sampled responses, one row each, ``N`` rows.
+
+    ``pack`` lays the fields end to end in one float64 table (exact: ids below 2**53, float32
+    log-probs) so that one all-gather carries them; ``unpack`` reads it back by field.
+    """
+
+    prompt_ids: torch.Tensor = _column(torch.int64, "prompt")  # [N, P], pad id past prompt_len
+    response_ids: torch.Tensor = _column(torch.int64, "response")  # [N, R], pad id past response_len
+    log_probs: torch.Tensor = _column(torch.float32, "response")  # [N, R] the sampler's, 0 past response_len
+    # Tokens the model sampled (multi-turn: the environment's tokens are context, never trained on).
+    sampled: torch.Tensor = _column(torch.bool, "response")  # [N, R]
+    prompt_len: torch.Tensor = _column(torch.int64)
+    response_len: torch.Tensor = _column(torch.int64)
+    stopped: torch.Tensor = _column(torch.bool)  # ended on a stop token (else cut at max_response_length)
+    score: torch.Tensor = _column(torch.float64)
+    acc: torch.Tensor = _column(torch.float64)
+    reward: torch.Tensor = _column(torch.float64)  # score plus the overlong penalty: advantages come from it
+    filter_metric: torch.Tensor = _column(torch.float64)  # what dynamic sampling keeps groups by
+    failed: torch.Tensor = _column(torch.bool)  # a conversation the environment failed (on_error=drop)
+    turns: torch.Tensor = _column(torch.float64)  # assistant turns (single-turn: 1)
+
+    @staticmethod
+    def _widths(prompt_width: int, response_width: int) -> List[int]:
+        w = {"prompt": prompt_width, "response": response_width, None: 1}
+        return [w[f.metadata["width"]] for f in fields(RolloutShare)]
+
+    def pack(self) -> torch.Tensor:
+        n = self.prompt_len.shape[0]
+        return torch.cat([getattr(self, f.name).double().reshape(n, -1) for f in fields(self)], 1)
+
+    @classmethod
+    def unpack(cls, table: torch.Tensor, prompt_width: int, response_width: int) -> "RolloutShare":
+        cols = table.split(cls._widths(prompt_width, response_width), 1)
+        return cls(**{f.name: (c if f.metadata["width"] else c[:, 0]).to(f.metadata["dtype"], copy=True)
+                      for f, c in zip(fields(cls), cols)})
+
+    @classmethod
+    def empty(cls, prompt_width: int, response_width: int) -> "RolloutShare":
+        width = sum(cls._widths(prompt_width, response_width))
+        return cls.unpack(torch.zeros(0, width, dtype=torch.float64), prompt_width, response_width)
+
+
+def stream_seed(base: int, step: int, k: int) -> int:
+    """The sampler's seed of generation batch ``k`` of ``step`` (-1: validation, -2: the batch pick)."""
+    return (base * 1_000_003 + step * 10_007 + k) % (2 ** 62)
+
+
+class GenerationStage:
+    """Prompts, rollout, rewards and dynamic sampling; ``collect(step)`` returns a full train batch.
+
+    Owns the data cursor and the dynamic-sampling accumulator (both checkpointed: ``state_dict``).
+    """
+
+    def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None):
+        self.cfg, self.dims, self.tokenizer, self.engine, self.env = cfg, dims, tokenizer, engine, env
+        self.rollout_cfg = cfg.actor_rollout_ref.rollout
+        self.train_rows = train_rows
+        d, fg = cfg.data, cfg.algorithm.filter_groups
+        # Prompts rendered with the model's chat template hold their special tokens already.
+        self._chat = tokenizer.uses_chat(d.apply_chat_template)
+        self._prompt_cache: Dict[int, List[int]] = {}
+        self.cursor = data_mod.BatchCursor(len(train_rows), cfg.gen_batch_size, seed=cfg.trainer.seed,
+                                           shuffle=d.shuffle)
+        self.accumulator = dk.DynamicBatchAccumulator(
+            d.train_batch_size, self.rollout_cfg.n, fg.max_num_gen_batches if fg.enable else 0,
+            carry_over=fg.carry_over)
+        crf = cfg.custom_reward_function
+        self.reward_fn = rewards.load_reward_fn(crf.path, crf.name) if crf.path else rewards.default_compute_score
+        self.scorers = {}
+        if env is not None and cfg.reward_model.dialogue.scorers:
+            from .rewards.scorers import build_scorers
+
+            self.scorers = build_scorers(cfg.reward_model.dialogue)
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor.state_dict(), "accumulator": self.accumulator.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.load_state_dict(state["cursor"])
+        self.accumulator.load_state_dict(state["accumulator"])
+
+    def seed(self, step: int, k: int) -> int:
+        return stream_seed(self.cfg.trainer.seed, step, k)
+
+    # ------------------------------------------------------------------ rollout + reward
+    def prompt_ids(self, rows_idx: List[int], rows: List[dict], cache: Optional[dict]) -> List[List[int]]:
+        """Templated, tokenised, length-checked prompts of ``rows[i] for i in rows_idx`` (memoised in ``cache``)."""
+        d = self.cfg.data
+        cache = {} if cache is None else cache
+        for i in rows_idx:
+            if i not in cache:
+                text = self.tokenizer.prompt_text(rows[i]["prompt"], d.prompt_template, d.apply_chat_template)
+                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation,
+                                                  add_special_tokens=not self._chat)
+        return [cache[i] for i in rows_idx]
+
+    def rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,
+                temperature: float, top_p: float, seed: int, prompt_offset: int = 0):
+        """``(out, prompt ids per row)``: one engine call, or a multi-turn rollout with the environment.
+        ``prompt_offset``: index of the first row in the whole generation batch (single-turn streams)."""
+        d = self.cfg.data
+        if self.env is None:
+            prompts = self.prompt_ids(idx, all_rows, cache)
+            return self.engine.generate(prompts, n, d.max_response_length, temperature=temperature, top_p=top_p,
+                                        seed=seed, stop_token_ids=self.tokenizer.eos_token_ids,
+                                        prompt_offset=prompt_offset), prompts
+        ec = self.cfg.environment
+        out = multi_turn_rollout(self.engine, self.tokenizer, self.env, rows, n, max_prompt_length=d.max_prompt_length,
+                                 max_response_length=d.max_response_length, max_turns=ec.max_turns,
+                                 max_turn_tokens=ec.max_turn_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 use_chat_template=d.apply_chat_template, truncation=d.truncation,
+                                 on_error=ec.on_error)
+        return out, out.prompt_ids
+
+    def score(self, out, rows: List[dict]):
+        """Rewards of every response: (score, acc, components) lists."""
+        max_len = self.cfg.data.max_response_length
+        if self.env is not None:
+            return dialogue.score_dialogues(
+                out, rows, reward_fn=self.reward_fn if self.cfg.custom_reward_function.path else None,
+                weights=self.cfg.reward_model.dialogue.weights, scorers=self.scorers, max_response_length=max_len)
+        stops = set(self.tokenizer.eos_token_ids)
+        scores, accs, comps = [], [], []
+        for k in range(out.num_responses):
+            ids = out.response(k)
+            truncated = not ids or ids[-1] not in stops
+            body = ids if truncated else ids[:-1]
+            row = rows[out.group_index[k].item()]
+            res = self.reward_fn(row["data_source"], self.tokenizer.decode(body), row["ground_truth"],
+                                 {"prompt": row["prompt"], "response_length": len(ids),
+                                  "max_response_length": max_len, "truncated": truncated})
+            if isinstance(res, dict):
+                if "score" not in res:
+                    raise ValueError(f"reward function returned a dict without 'score': {sorted(res)}")
+                score = float(res["score"])
+                acc = float(res["acc"]) if "acc" in res else float(score > 0)
+            else:
+                score, res = float(res), {}
+                acc = float(score > 0)
+            scores.append(score)
+            accs.append(acc)
+            comps.append(res)
+        return scores, accs, comps
+
+    def _filter_metric(self, score, acc, final, comps) -> torch.Tensor:
+        m = self.cfg.algorithm.filter_groups.metric
+        if m == "acc":
+            return acc
+        if m in ("score", "seq_reward"):
+            return score
+        if m == "seq_final_reward":
+            return final
+        vals = []
+        for c in comps:
+            missing = [name for name in m if name not in c]
+            if missing:
+                raise ValueError(f"algorithm.filter_groups.metric weights {missing}, which the reward function "
+                                 f"did not return (it returned {sorted(c)})")
+            vals.append(sum(float(w) * float(c[name]) for name, w in m.items()))
+        return torch.tensor(vals, dtype=torch.float64)
+
+    def join_lockstep(self, max_new_tokens: int) -> None:
+        """A rank without prompts joins the FSDP2 sampler's per-layer gathers of its peers."""
+        if getattr(self.engine, "lockstep_group", None) is not None:
+            self.engine.generate([], 1, max_new_tokens)
+
+    def _sample_share(self, idx: List[int], rows: List[dict], offset: int, seed: int):
+        """Sample, reward and measure this replica's share of a generation batch (rows ``idx`` of
+        the data, from index ``offset`` of the batch). Returns ``(share, local_tokens, timing,
+        turn_stats, reward components)``."""
+        d, r = self.cfg.data, self.rollout_cfg
+        R, P = d.max_response_length, d.max_prompt_length
+        if not rows:  # more replicas than prompts: this one only receives
+            self.join_lockstep(R)
+            return RolloutShare.empty(P, R), 0, {"timing_s/gen": 0.0, "timing_s/reward": 0.0}, {}, []
+        t0 = time.perf_counter()
+        out, prompts = self.rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
+                                    seed, offset)
+        t1 = time.perf_counter()
+        score, acc, comps = self.score(out, rows)
+        score = torch.tensor(score, dtype=torch.float64)
+        acc = torch.tensor(acc, dtype=torch.float64)
+        lengths, N = out.lengths, len(score)
+        final = score.clone()
+        ob = self.cfg.reward_model.overlong_buffer
+        if ob.enable:
+            final += dk.overlong_penalty(lengths, R, ob.len, ob.penalty_factor).double()
+        metric = dialogue.binarize(self._filter_metric(score, acc, final, comps),
+                                   self.cfg.algorithm.filter_groups.reward_threshold)
+        failed = torch.zeros(N, dtype=torch.bool)
+        failed[list(getattr(out, "errors", {}))] = True
+        pad = self.tokenizer.pad_token_id
+        groups = out.group_index.tolist()
+        prompt_ids = torch.full((N, P), pad, dtype=torch.int64)
+        for k, g in enumerate(groups):
+            prompt_ids[k, :len(prompts[g])] = torch.tensor(prompts[g], dtype=torch.int64)
+        valid = torch.arange(R)[None, :] < lengths[:, None]
+        response_ids = torch.full((N, R), pad, dtype=torch.int64)
+        response_ids[valid] = out.response_ids
+        log_probs = torch.zeros(N, R, dtype=torch.float32)
+        log_probs[valid] = out.log_probs.float()
+        sampled = torch.zeros(N, R, dtype=torch.bool)
+        mask = getattr(out, "response_mask", None)
+        sampled[valid] = True if mask is None else mask.bool()
+        # Assistant turns per response (a single-turn response is one), for actor.dynamic_token_len.
+        turns = [c.num_turns for c in out.conversations] if self.env is not None else [1] * N
+        share = RolloutShare(
+            prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, sampled=sampled,
+            prompt_len=torch.tensor([len(prompts[g]) for g in groups], dtype=torch.int64), response_len=lengths,
+            stopped=torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.bool), score=score, acc=acc,
+            reward=final, filter_metric=metric, failed=failed, turns=torch.tensor(turns, dtype=torch.float64))
+        turn_stats = out.turn_stats() if self.env is not None else {}
+        timing = {"timing_s/gen": t1 - t0, "timing_s/reward": time.perf_counter() - t1}
+        return share, int(lengths.sum()), timing, turn_stats, comps
+
+    def _gather_shares(self, share: RolloutShare, rows_per_replica: List[int]) -> RolloutShare:
+        """Every replica's share, in replica order (one all-gather over the DP group, on its device)."""
+        table = share.pack()
+        if self.dims.dp > 1:
+            buf = table.new_zeros(max(rows_per_replica), table.shape[1], device=self.dims.comm_device)
+            buf[:table.shape[0]] = table.to(self.dims.comm_device)
+            parts = [torch.empty_like(buf) for _ in range(self.dims.dp)]
+            dist.all_gather(parts, buf, group=self.dims.dp_group)
+            table = torch.cat([p[:m] for p, m in zip(parts, rows_per_replica)]).cpu()
+        d = self.cfg.data
+        return RolloutShare.unpack(table, d.max_prompt_length, d.max_response_length)
+
+    def generation_batch(self, step: int, k: int) -> dict:
+        """Generate, reward and filter one generation batch; rows padded to fixed widths.
+        ``turn_stats`` are this replica's."""
+        n, dp = self.rollout_cfg.n, self.dims.dp
+        idx = self.cursor.next_batch()
+        B = len(idx)
+        bounds = [B * q // dp for q in range(dp + 1)]
+        q = self.dims.dp_rank
+        lo, hi = bounds[q], bounds[q + 1]
+        share, local_tokens, timing, turn_stats, comps = self._sample_share(
+            idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self.seed(step, k))
+        t0 = time.perf_counter()
+        s = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(dp)])
+        timing["timing_s/gen"] += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        algo = self.cfg.algorithm
+        adv = dk.group_filter(s.reward, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
+        if algo.filter_groups.enable:
+            keep = dk.group_filter(s.filter_metric, group_size=n).check().keep
+        else:
+            keep = torch.ones(len(s.reward), dtype=torch.bool)
+        group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
+        keep &= ~s.failed.view(B, n).any(1).repeat_interleave(n)  # on_error=drop: never train on a failed group
+        tensors = {"prompt_ids": s.prompt_ids, "prompt_len": s.prompt_len, "response_ids": s.response_ids,
+                   "response_len": s.response_len, "rollout_log_prob": s.log_probs, "response_mask": s.sampled,
+                   "advantages": adv.advantages.float(), "score": s.score, "acc": s.acc, "reward": s.reward,
+                   "truncated": ~s.stopped, "num_turns": s.turns}
+        timing["timing_s/filter"] = time.perf_counter() - t2
+        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": s.filter_metric,
+                "turn_stats": turn_stats, "timing": timing, "tokens": int(s.prompt_len.sum() + s.response_len.sum()),
+                "local_tokens": local_tokens, "components": {lo * n + i: c for i, c in enumerate(comps)}}
+
+    def collect(self, step: int):
+        """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
+        # A step whose train batch the carried-over groups fill generates nothing: its timings are 0, not missing.
+        timing, tokens, local_tokens, k = dict.fromkeys(_TIMINGS, 0.0), 0, 0, 0
+        turn_stats = defaultdict(float)
+        dump = [] if self.cfg.trainer.rollout_data_dir and self.dims.rank == 0 else None
+        truncated = sampled = 0  # over every generated response, kept or not
+        while not self.accumulator.ready:
+            gb = self.generation_batch(step, k)
+            k += 1
+            if dump is not None:
+                dump.append(gb)
+            for key, v in gb["turn_stats"].items():
+                turn_stats[key] += v
+            for key, v in gb["timing"].items():
+                timing[key] += v
+            tokens += gb["tokens"]
+            local_tokens += gb["local_tokens"]
+            truncated += int(gb["tensors"]["truncated"].sum())
+            sampled += len(gb["tensors"]["truncated"])
+            t0 = time.perf_counter()
+            self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+            timing["timing_s/filter"] += time.perf_counter() - t0
+        if dump:
+            self._dump_rollouts(step, dump)
+        batch = self.accumulator.take(self.cfg.algorithm.filter_groups.prefer, "response_len",
+                                      seed=self.seed(step, -2))
+        am = self.accumulator.last_metrics
+        metrics = {ours: am[theirs] for ours, theirs in _SAMPLING_METRICS.items()}
+        metrics.update({
+            "train/gen_tokens": tokens, "train/gen_responses": sampled,
+            # Cut at max_response_length among all sampled responses (the train batch's own rate,
+            # response_length/clip_ratio, sees only the kept groups under dynamic sampling).
+            "train/gen_truncated_frac": truncated / max(sampled, 1),
+            # Response tokens this rank's replica sampled: about 1 / DP of the batch's.
+            "train/local_response_tokens": local_tokens,
+        })
+        metrics.update(timing)
+        # Per-turn statistics of the generated dialogues (means over the generation batches; counts summed).
+        metrics.update({key: v / k if not key.endswith("tokens") and key != "dialog/env_errors" else v
+                        for key, v in turn_stats.items()})
+        return batch, metrics
+
+    def _dump_rollouts(self, step: int, gbs: List[dict]) -> None:
+        """Write ``trainer.rollout_data_dir/{step}.jsonl`` (format: :mod:`dapo_trainer.tools.batch_quality`)."""
+        from .tools import batch_quality
+
+        t, n = self.cfg.trainer, self.rollout_cfg.n
+        rows = []
+        picks = batch_quality.spread_groups([len(gb["keep"]) // n for gb in gbs], n, t.rollout_data_max_rows)
+        for k, g in picks:
+            gb = gbs[k]
+            x = gb["tensors"]
+            for j in range(g * n, (g + 1) * n):
+                pl, rl = int(x["prompt_len"][j]), int(x["response_len"][j])
+                ids = x["response_ids"][j, :rl].tolist()
+                comps = {c: v for c, v in gb["components"].get(j, {}).items() if isinstance(v, (int, float, str))}
+                rows.append({"step": step, "gen_batch": k, "group": g, "sample": j - g * n,
+                             "prompt": self.tokenizer.decode(x["prompt_ids"][j, :pl].tolist()),
+                             "response": self.tokenizer.decode(ids), "response_ids": ids, "response_length": rl,
+                             "finish_reason": "length" if bool(x["truncated"][j]) else "stop",
+                             "score": float(x["score"][j]), "acc": float(x["acc"][j]),
+                             "reward": float(x["reward"][j]), "filter_metric": float(gb["metric"][j]),
+                             "components": comps, "kept": bool(gb["keep"][j])})
+        batch_quality.write_step(t.rollout_data_dir, step, rows)

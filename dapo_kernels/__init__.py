@@ -15,7 +15,7 @@ from .ops.linear_log_probs import linear_log_probs
 from .ops.packing import pad_input, packed_position_ids, unpad_input
 from .ops.policy_loss import LOSS_AGG_MODES, policy_loss
 from .ops.varlen_attention import varlen_attention
-from .sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
+from .dynamic_sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
 # Out-of-tree backends (Ascend: npu_ops) are not imported here: each custom op gets a loader on
 # its privateuseone key that finds them through their entry points on first use (_registry).

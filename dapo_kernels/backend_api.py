@@ -21,8 +21,9 @@ Registering
 Reusing the ops' own pieces
     * :func:`torch_implementation` - an op's device-generic torch code (index gathers,
       segment sums, elementwise math run natively on most devices);
-    * :class:`LossHead` - the fused loss's per-token head: ``head(log_prob, entropy, slice)``
-      gives ``(d loss / d log_prob, d loss / d entropy, partial sums [8] fp64)``;
+    * :class:`LossHead` - the fused loss's per-token head, built from ``LossTokens._make(tokens)``
+      and ``LossParams._make(params)`` (the custom op's lists): ``head(log_prob, entropy, slice)``
+      gives ``(d loss / d log_prob, d loss / d entropy, torch.stack(LossSums) fp64)``;
     * :func:`combine_stats`, :func:`dlogits_`, :func:`all_reduce` - the row statistics of
       ``linear_log_probs``: partial ``[S, N, 4]`` (max, sum-exp, sum-exp * z, target logit)
       to ``(lse, log_prob, entropy)``, the logits gradient, and the all-reduce over the
@@ -41,12 +42,13 @@ from ._cache import per_tensor_cache
 from ._registry import (BACKEND_ENTRY_POINTS, OUT_OF_TREE_DEVICE, custom_op_names, device_kernels, dispatch,
                         load_backends, register_device_kernels, use_backend)
 from .ops._row_stats import all_reduce, combine_stats, dlogits_
-from .ops.fused_linear_policy_loss import LossHead
+from .ops.fused_linear_policy_loss import LossHead, LossParams, LossSums, LossTokens
 from .validation import check_int, check_tensor
 
 __all__ = [
     "BACKEND_ENTRY_POINTS", "OUT_OF_TREE_DEVICE", "register_device_kernels", "device_kernels", "load_backends",
-    "custom_op_names", "torch_implementation", "LossHead", "combine_stats", "dlogits_", "all_reduce",
+    "custom_op_names", "torch_implementation", "LossHead", "LossParams", "LossSums", "LossTokens", "combine_stats",
+    "dlogits_", "all_reduce",
     "check_tensor", "check_int", "per_tensor_cache",
 ]
 

@@ -17,6 +17,9 @@ and deterministic (the same input always gives the same output). Drop-in for ver
 Inputs (``workloads`` / ``seqlens``) may be a list, a numpy array or a tensor of any
 integer dtype on any device; they reach C++ as one int64 buffer without per-element
 Python work (a tensor is copied to the host once).
+
+The extension is imported on the first call, so ``import dapo_kernels`` and the tensor ops
+work without it; a call without it raises ``ImportError`` saying how to build it.
 """
 from __future__ import annotations
 
@@ -25,10 +28,21 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
-from . import _C
 from ._validation import check_flag, check_int
 
 _INT64_MAX = np.iinfo(np.int64).max
+_BUILD_HINT = ("build it from the repository root with `pip install -e .` (or `make install`), "
+               "which needs a C++17 compiler and pybind11")
+
+
+def _extension():
+    """``dapo_kernels._C``, imported here rather than at module load: only these functions need it."""
+    try:
+        from . import _C
+    except ImportError as e:
+        raise ImportError(f"dapo_kernels' balancing functions need the compiled C++ extension dapo_kernels._C, "
+                          f"which did not import ({e}); {_BUILD_HINT}") from e
+    return _C
 
 
 def _as_int64(name: str, values) -> np.ndarray:
@@ -74,7 +88,7 @@ def balanced_partitions(workloads, k_partitions: int, equal_size: bool = False) 
     """
     w = _as_int64("workloads", workloads)
     k = check_int("k_partitions", k_partitions, minimum=1)
-    return _C.balanced_partitions(w, k, check_flag("equal_size", equal_size))
+    return _extension().balanced_partitions(w, k, check_flag("equal_size", equal_size))
 
 
 def micro_batches(
@@ -136,7 +150,7 @@ def micro_batches(
         if len(t) and count > len(t):
             raise ValueError(f"{name} = {count} exceeds the number of sequences ({len(t)}): "
                              "cannot make that many non-empty micro-batches")
-    return _C.micro_batches(t, w, cap, lo, mult)
+    return _extension().micro_batches(t, w, cap, lo, mult)
 
 
 def attention_workload(seqlens, hidden_size: int) -> np.ndarray:
@@ -152,7 +166,8 @@ def attention_workload(seqlens, hidden_size: int) -> np.ndarray:
     Returns:
         ``np.ndarray`` int64 ``[n]`` (ValueError if a value overflows int64).
     """
-    return _C.attention_workload(_as_int64("seqlens", seqlens), check_int("hidden_size", hidden_size, minimum=1))
+    lengths = _as_int64("seqlens", seqlens)
+    return _extension().attention_workload(lengths, check_int("hidden_size", hidden_size, minimum=1))
 
 
 def pipeline_order(micro_batches: Sequence[Sequence[int]], workloads) -> List[int]:
@@ -178,7 +193,7 @@ def pipeline_order(micro_batches: Sequence[Sequence[int]], workloads) -> List[in
     """
     if not isinstance(micro_batches, (list, tuple)):
         raise TypeError(f"micro_batches must be a list of lists of ints, got {type(micro_batches).__name__}")
-    return _C.pipeline_order(micro_batches, _as_int64("workloads", workloads))
+    return _extension().pipeline_order(micro_batches, _as_int64("workloads", workloads))
 
 
 __all__ = ["balanced_partitions", "micro_batches", "attention_workload", "pipeline_order"]

@@ -13,11 +13,32 @@ message naming the argument.
   to the device with its checked facts, so the ops' checks of the copy read nothing;
 * :func:`check_mask` ``(name, mask, *, ndim, device, shape)`` - a token mask (bool, integer or float
   0 / 1; a float mask's values checked on the device) returned as bool;
+* :func:`check_clip_ratios` ``(clip_ratio_low, clip_ratio_high, clip_ratio_c)`` - the PPO clip ratios,
+  each against its rule in ``CLIP_RATIO_RANGES``;
 * ``FLOAT_DTYPES`` / ``INT_DTYPES`` / ``MASK_DTYPES`` - the dtypes the ops accept for floats / integer
   ids / masks.
 """
+from typing import Tuple
+
 from ._validation import (FLOAT_DTYPES, INT_DTYPES, MASK_DTYPES, check_cu_seqlens, check_flag, check_float,
                           check_float_or_tensor, check_int, check_mask, check_tensor, to_device_checked)
 
+# (valid, expected) of each clip ratio, as check_float takes them: the one rule of the loss ops and
+# of the trainer config's actor_rollout_ref.actor.clip_ratio_* keys.
+CLIP_RATIO_RANGES = {
+    "clip_ratio_low": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "clip_ratio_high": (lambda v: v >= 0.0, ">= 0"),
+    "clip_ratio_c": (lambda v: v > 1.0, "> 1 (dual-clip lower bound)"),
+}
+
+
+def check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> Tuple[float, float, float]:
+    """The three clip ratios as floats, each checked against its rule in ``CLIP_RATIO_RANGES``."""
+    values = (clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return tuple(check_float(name, v, valid=valid, expected=expected)
+                 for (name, (valid, expected)), v in zip(CLIP_RATIO_RANGES.items(), values))
+
+
 __all__ = ["check_tensor", "check_int", "check_float", "check_flag", "check_float_or_tensor", "check_cu_seqlens",
-           "check_mask", "to_device_checked", "FLOAT_DTYPES", "INT_DTYPES", "MASK_DTYPES"]
+           "check_mask", "to_device_checked", "check_clip_ratios", "CLIP_RATIO_RANGES", "FLOAT_DTYPES", "INT_DTYPES",
+           "MASK_DTYPES"]

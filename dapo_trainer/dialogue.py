@@ -2,7 +2,7 @@
 
 A conversation's components are the environment's (summed over its steps) plus those of
 the configured scorers (``reward_model.dialogue.scorers``), e.g. ``relevance`` and
-``coherence`` (:mod:`dapo_trainer.scorers`), each computed for a whole generation batch at
+``coherence`` (:mod:`dapo_trainer.rewards.scorers`), each computed for a whole generation batch at
 once. Its score is, in order of precedence:
 
 1. the custom reward function's (``custom_reward_function``), called as

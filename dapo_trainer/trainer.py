@@ -121,7 +121,7 @@ class DAPOTrainer:
         self.env = envs.load_environment(ec.path, ec.name) if ec.path else None
         self.scorers = {}
         if self.env is not None and cfg.reward_model.dialogue.scorers:
-            from .scorers import build_scorers
+            from .rewards.scorers import build_scorers
 
             self.scorers = build_scorers(cfg.reward_model.dialogue)
 
@@ -469,7 +469,7 @@ class DAPOTrainer:
 
     def _dump_rollouts(self, step: int, gbs: List[dict]) -> None:
         """Write ``trainer.rollout_data_dir/{step}.jsonl`` (format: :mod:`dapo_trainer.batch_quality`)."""
-        from . import batch_quality
+        from .tools import batch_quality
 
         t, n = self.cfg.trainer, self.rollout_cfg.n
         rows = []

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from dapo_kernels.backend_api import LossHead, all_reduce, combine_stats, dlogits_
+from dapo_kernels.backend_api import LossHead, LossParams, LossTokens, all_reduce, combine_stats, dlogits_
 
-# fp32 logits per chunk: 512 MiB keeps each matmul >= 800 rows at V = 152k (TP = 1) while
-# the ~3 chunk-sized buffers stay far below an A2's 64 GB.
+# fp32 logits per chunk: large matmuls for the cube unit, ~3 such buffers far below device memory
+# (sizing in dapo_kernels/ops/NOTES_fused_loss.md).
 CHUNK_BYTES = 512 << 20
 
 
@@ -93,10 +93,12 @@ def linear_log_probs_bwd(hidden, weight, labels, rows, g_lp, g_ent, temperature,
 
 def fused_linear_policy_loss(hidden, weight, labels, tokens, params, kl_type, vocab_start, group, entropy,
                              compute_grad):
-    """``(sums fp64 [8], log_prob, entropy, dH, dW)``; one pass, each logits chunk serves loss and gradient."""
-    head = LossHead(tokens, params, kl_type)
+    """``(torch.stack(LossSums) fp64, log_prob, entropy, dH, dW)``; one pass, each logits chunk serves loss and
+    gradient. ``tokens`` / ``params`` are the custom op's lists of ``LossTokens`` / ``LossParams``."""
+    params = LossParams._make(params)
+    head = LossHead(LossTokens._make(tokens), params, kl_type)
     (n, h), v = hidden.shape, weight.shape[0]
-    inv_temp = 1.0 / params[0]
+    inv_temp = 1.0 / params.temperature
     w32 = weight.float()
     log_prob = hidden.new_empty((n,), dtype=torch.float32)
     ent = hidden.new_zeros((n,), dtype=torch.float32)
@@ -121,5 +123,5 @@ def fused_linear_policy_loss(hidden, weight, labels, tokens, params, kl_type, vo
             torch.mm(dz, w32, out=d_h[sl])
             d_w.addmm_(dz.t(), x)
     if sums is None:  # no tokens: the head's sums of nothing
-        sums = head(log_prob, ent, slice(None))[2]
+        _, _, sums = head(log_prob, ent, slice(None))
     return sums, log_prob, ent, all_reduce(d_h, group).to(hidden.dtype), d_w.to(weight.dtype)

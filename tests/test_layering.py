@@ -116,6 +116,8 @@ def test_the_walk_sees_the_known_edges():
     assert "dapo_trainer.parallel.collectives" in edges["dapo_trainer.model"]
     assert "dapo_trainer.model" in edges["dapo_trainer.parallel.tensor"]
     assert "dapo_kernels.ops._row_stats" in edges["dapo_kernels.ops.linear_log_probs"]
+    assert "dapo_trainer.tools.memory_model" in edges["dapo_trainer.tools.tune"]
+    assert "dapo_trainer.rewards.verifiers" in edges["dapo_trainer.rewards"]
     assert len(edges) > 50
 
 

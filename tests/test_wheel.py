@@ -28,8 +28,9 @@ assert sorted(i for p in parts for i in p) == [0, 1, 2, 3], parts
 eps = md.entry_points(group="dapo_kernels.backends")
 assert [e.value for e in eps] == ["npu_ops:register"], eps
 scripts = {e.name: e.value for e in md.entry_points(group="console_scripts") if e.name.startswith("dapo-")}
-assert scripts == {"dapo-report": "dapo_trainer.report:main", "dapo-profile": "dapo_trainer.profiler:main",
-                   "dapo-tune": "dapo_trainer.tune:main"}, scripts
+assert scripts == {"dapo-report": "dapo_trainer.tools.report:main",
+                   "dapo-profile": "dapo_trainer.tools.profiler:main",
+                   "dapo-tune": "dapo_trainer.tools.tune:main"}, scripts
 presets = res.files("dapo_trainer").joinpath("configs", "presets")
 assert presets.joinpath("cpu_debug_qwen2.5-0.5b.yaml").is_file(), list(presets.iterdir())
 assert presets.joinpath("models", "qwen2.5-7b", "config.json").is_file()

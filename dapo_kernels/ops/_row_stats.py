@@ -37,9 +37,8 @@ import torch
 
 from .._validation import check_float, check_int, check_tensor, tracing, value_range, value_range_except
 
-# CPU chunk: the [C, V] fp32 work buffers (one, two with entropy) in 64 MiB keep each matmul
-# at >= 512 rows at V = 32k (full speed: measured no faster at 1024) for an eighth of naive's
-# [N, V] logits at N = 4k.
+# CPU token chunk: [C, V] fp32 work buffers (two with entropy) of 64 MiB keep each matmul at full speed
+# (sizing in NOTES_fused_loss.md).
 TORCH_CHUNK_BYTES = 64 << 20
 # Row statistics: running max, sum exp(z - max), sum exp(z - max) * (z - max), target logit,
 # index of the max (within this vocab shard; the first on ties).
@@ -302,8 +301,7 @@ def accumulate_grads(dz, x, w32, d_h, d_w, sl: slice, live: Optional[torch.Tenso
     """dH rows of the chunk and dW += dz^T x; ``live``: rows that have a gradient at all."""
     beta = 0 if sl.start == 0 else 1
     if live is not None and not bool(live.all()):
-        # Masked tokens (prompts in a packed batch) and clipped ones have dz = 0: leaving them out
-        # of both matmuls saves their share of two thirds of the FLOPs, for a [k, V] copy.
+        # Rows with dz = 0 (masked, clipped) add nothing: leave them out of both matmuls, for a [k, V] copy.
         idx = live.nonzero()[:, 0]
         dz, x = dz.index_select(0, idx), x.index_select(0, idx)
         d_h[sl] = 0

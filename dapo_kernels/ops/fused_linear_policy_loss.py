@@ -6,11 +6,15 @@ from the forward: the torch path reuses each fp32 logits chunk for the loss and 
 :mod:`dapo_kernels.ops.linear_log_probs`, the per-token loss head, then that op's recomputing
 backward. The per-token loss is :func:`dapo_kernels.ops.policy_loss.pg_token_terms`, aggregated
 with :func:`dapo_kernels.ops.policy_loss.aggregation_weights`, in fp64 on ``[N]`` vectors.
+
+The custom op takes lists and returns a tensor; :class:`LossTokens`, :class:`LossParams` and
+:class:`LossSums` name their entries, converted at the boundary with ``list(x)`` /
+``X._make(list)`` and ``torch.stack(sums)`` / ``LossSums._make(t.unbind())``.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -24,45 +28,77 @@ from .linear_log_probs import grads_triton, stats_triton
 from .policy_loss import (aggregation_weights, check_agg, check_clips, metric_sums,
                           metrics_from_counts, pg_token_terms)
 
-# Partial sums of the fused loss: total, pg, #clipped, #dual-clipped, sum(-log-ratio),
-# #tokens, entropy, kl (each weighted like the loss except the counts).
-_NUM_SUMS = 8
+
+# --------------------------------------------------------------------------- op arguments
+class LossTokens(NamedTuple):
+    """Per-token inputs of the fused loss, ``[N]`` each unless noted; the custom op takes ``list(tokens)``."""
+    old_log_prob: torch.Tensor  # empty: on-policy, the old log-probs are this forward's own
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool
+    weights: torch.Tensor  # fp64 aggregation weights, 1 element (token modes) or N
+    ref_log_prob: torch.Tensor  # empty unless kl_coef != 0
+
+
+class LossParams(NamedTuple):
+    """Scalars of the fused loss, named as the public arguments; the custom op takes ``list(params)``."""
+    temperature: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    kl_coef: float
+
+
+class LossSums(NamedTuple):
+    """fp64 0-dim sums over the selected tokens, weighted like the loss except the counts and the log-ratio;
+    the custom op returns ``torch.stack(sums)``, read back with ``LossSums._make(t.unbind())``."""
+    total: torch.Tensor  # the loss: pg - entropy_coeff * entropy + kl_coef * kl
+    pg: torch.Tensor
+    clipped: torch.Tensor  # count
+    clipped_lower: torch.Tensor  # count (dual clip)
+    neg_log_ratio: torch.Tensor  # sum of -log(ratio), unweighted
+    tokens: torch.Tensor  # count
+    entropy: torch.Tensor
+    kl: torch.Tensor
+
+
+_NUM_SUMS = len(LossSums._fields)
 
 
 # --------------------------------------------------------------------------- loss head
 class LossHead:
     """Per-token DAPO loss: gradients w.r.t. log-prob / entropy and weighted partial sums."""
 
-    def __init__(self, tokens: List[torch.Tensor], params: List[float], kl_type: str):
-        self.old, self.adv, self.mask, self.w, self.ref = tokens
-        self.clips = params[1:4]
-        self.ent_coef, self.kl_coef = params[4], params[5]
-        self.kl_type = kl_type
+    def __init__(self, tokens: LossTokens, params: LossParams, kl_type: str):
+        self.tokens, self.params, self.kl_type = tokens, params, kl_type
 
     def __call__(self, lp: torch.Tensor, ent: torch.Tensor, sl: slice):
-        mask = self.mask[sl]
-        w = self.w if self.w.numel() == 1 else self.w[sl]
-        # On-policy (no old log-probs given): old = this forward's own, so the ratio is exactly 1.
-        old = self.old[sl] if self.old.numel() else lp
-        loss, dl, clip, clip_low, nkl = pg_token_terms(lp, old, self.adv[sl], *self.clips)
+        """``(d loss / d lp, d loss / d ent, torch.stack(LossSums))`` for the tokens ``sl``."""
+        tok, p = self.tokens, self.params
+        mask = tok.mask[sl]
+        w = tok.weights if tok.weights.numel() == 1 else tok.weights[sl]
+        # On-policy: old = this forward's own log-prob, so the ratio is exactly 1.
+        old = tok.old_log_prob[sl] if tok.old_log_prob.numel() else lp
+        loss, dl, clip, clip_low, nkl = pg_token_terms(lp, old, tok.advantages[sl], p.clip_ratio_low,
+                                                       p.clip_ratio_high, p.clip_ratio_c)
         # Masked tokens are selected away (torch.where), in the sums and in the gradients: a NaN
         # there reaches neither (NaN * 0 would); fp64 token math and sums, as in policy_loss.
         wm = torch.where(mask, w, 0.0)
         g_lp = wm * dl
         zero = wm.new_zeros(())
         ent_sum, kl_sum, g_ent = zero, zero, torch.zeros_like(lp)
-        if self.ent_coef:
+        if p.entropy_coeff:
             ent_sum = torch.where(mask, wm * ent.double(), 0.0).sum()
-            g_ent = -self.ent_coef * wm
-        if self.kl_coef:
-            kl_val, kl_grad = kl_terms(lp, self.ref[sl], self.kl_type, torch.float64)
+            g_ent = -p.entropy_coeff * wm
+        if p.kl_coef:
+            kl_val, kl_grad = kl_terms(lp, tok.ref_log_prob[sl], self.kl_type, torch.float64)
             kl_sum = torch.where(mask, wm * kl_val.double(), 0.0).sum()
-            g_lp = g_lp + self.kl_coef * wm * kl_grad
+            g_lp = g_lp + p.kl_coef * wm * kl_grad
         g_lp = torch.where(mask, g_lp, 0.0)
         pg_sum = torch.where(mask, wm * loss, 0.0).sum()
-        sums = torch.stack([pg_sum - self.ent_coef * ent_sum + self.kl_coef * kl_sum, pg_sum,
-                            *metric_sums(mask, clip, clip_low, nkl), ent_sum, kl_sum])
-        return g_lp.float(), g_ent.float(), sums
+        sums = LossSums(total=pg_sum - p.entropy_coeff * ent_sum + p.kl_coef * kl_sum, pg=pg_sum,
+                        entropy=ent_sum, kl=kl_sum, **metric_sums(mask, clip, clip_low, nkl))
+        return g_lp.float(), g_ent.float(), torch.stack(sums)
 
 
 @register("fused_linear_policy_loss", "torch")
@@ -116,14 +152,12 @@ def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entr
 def _fused_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tokens: List[torch.Tensor],
               params: List[float], kl_type: str, vocab_start: int, group: str, entropy: bool, compute_grad: bool
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sums fp64 [8], log_prob [N], entropy [N], dH, dW); dH/dW are empty unless ``compute_grad``.
-
-    ``tokens`` = [old_log_prob (empty: on-policy), advantages, mask (bool), weights (1 or N), ref_log_prob];
-    ``params`` = [temperature, clip_low, clip_high, clip_c, entropy_coeff, kl_coef].
-    """
-    head = LossHead(tokens, params, kl_type)
+    """(``torch.stack(LossSums)`` fp64, log_prob [N], entropy [N], dH, dW); dH/dW are empty unless
+    ``compute_grad``. ``tokens`` = ``list(LossTokens)``, ``params`` = ``list(LossParams)``."""
+    p = LossParams._make(params)
+    head = LossHead(LossTokens._make(tokens), p, kl_type)
     sums, log_prob, ent, d_h, d_w = dispatch("fused_linear_policy_loss", hidden.device)(
-        hidden, weight, labels, head, 1.0 / params[0], vocab_start, group, entropy, compute_grad)
+        hidden, weight, labels, head, 1.0 / p.temperature, vocab_start, group, entropy, compute_grad)
     return sums, log_prob, ent, all_reduce(d_h, group).to(hidden.dtype), d_w
 
 
@@ -144,7 +178,6 @@ def _fused_setup(ctx, inputs, output):
     # Detached (no reference cycle through grad_fn), not saved: backward scales them in place and
     # lets go, so autograd can take them as .grad without a copy.
     ctx.grads = [output[3].detach(), output[4].detach()]
-    ctx.n_tokens = len(inputs[3])
 
 
 def _fused_backward(ctx, g_sums, *_):
@@ -156,12 +189,12 @@ def _fused_backward(ctx, g_sums, *_):
     if g_sums is None:
         d_h = d_w = None
     else:
-        g = g_sums[0]
+        g = LossSums._make(g_sums.unbind()).total  # the only sum the public API differentiates
         if is_fake(d_h):  # traced (torch.compile, opcheck): a graph may not write into a forward output
             d_h, d_w = d_h * g, d_w * g
         else:
             d_h, d_w = d_h.mul_(g), d_w.mul_(g)
-    return (d_h, d_w, None, [None] * ctx.n_tokens, None, None, None, None, None, None)
+    return (d_h, d_w, None, [None] * len(LossTokens._fields), None, None, None, None, None, None)
 
 
 _fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -242,26 +275,29 @@ def fused_linear_policy_loss(
     mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
     if ignored is not None:
         labels, mask = labels.masked_fill(ignored, 0), mask & ~ignored
-    clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    clip_ratio_low, clip_ratio_high, clip_ratio_c = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_agg(loss_agg_mode, advantages, cu_seqlens)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
                             loss_scale_factor=loss_scale_factor)
     ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else advantages.new_zeros(0)
     old = advantages.new_zeros(0) if old_log_prob is None else old_log_prob
-    tokens = [old.contiguous(), advantages.contiguous(), mask.contiguous(), w, ref.contiguous()]
-    params = [float(temperature), *clips, float(entropy_coeff), float(kl_coef)]
+    tokens = LossTokens(old_log_prob=old.contiguous(), advantages=advantages.contiguous(), mask=mask.contiguous(),
+                        weights=w, ref_log_prob=ref.contiguous())
+    params = LossParams(temperature=float(temperature), clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                        clip_ratio_c=clip_ratio_c, entropy_coeff=float(entropy_coeff), kl_coef=float(kl_coef))
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     entropy = bool(entropy_coeff) or check_flag("calculate_entropy", calculate_entropy)
-    sums, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, tokens, params, kl_type, vocab_start, key,
-                                          entropy, compute_grad)
-    metrics = metrics_from_counts(sums[2], sums[3], sums[4], sums[5])
+    stacked, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, list(tokens), list(params), kl_type,
+                                             vocab_start, key, entropy, compute_grad)
+    sums = LossSums._make(stacked.unbind())
+    metrics = metrics_from_counts(sums.clipped, sums.clipped_lower, sums.neg_log_ratio, sums.tokens)
     if ignored is not None:
         log_prob, ent = log_prob.masked_fill(ignored, 0.0), ent.masked_fill(ignored, 0.0)
-    metrics.update(pg_loss=sums[1].detach().float(), log_prob=log_prob.detach())
+    metrics.update(pg_loss=sums.pg.detach().float(), log_prob=log_prob.detach())
     if entropy:
         metrics["entropy"] = ent.detach()
     if entropy_coeff:
-        metrics["entropy_loss"] = sums[6].detach().float()
+        metrics["entropy_loss"] = sums.entropy.detach().float()
     if kl_coef:
-        metrics["kl_loss"] = sums[7].detach().float()
-    return sums[0].float(), metrics
+        metrics["kl_loss"] = sums.kl.detach().float()
+    return sums.total.float(), metrics

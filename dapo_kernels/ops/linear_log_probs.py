@@ -25,18 +25,14 @@ from ._row_stats import (ARG, ENT, LOGP, LSE, NUM_ROWS, NUM_STATS, accumulate_gr
                          row_results, set_exact_entries, token_chunks)
 from ._triton_utils import INTERPRET, cdiv
 
-# GPU backward: the dz buffer of one vocab chunk. 256 MiB (8k vocab columns at N = 16k, bf16)
-# keeps the two cuBLAS matmuls large and the workspace under 1 GB at N=16k, H=4096, V=152k
-# (dz + fp32 dH + its addmm result + masked hidden: see workspace_bytes).
+# GPU backward: one vocab chunk's dz buffer, large enough for full-size cuBLAS matmuls, bounded so the
+# workspace (workspace_bytes) stays under 1 GB at production sizes (NOTES_fused_loss.md).
 _TRITON_DZ_BYTES = 1 << 28
-# Programs are ordered in groups of row blocks (grouped / "super-grouping" order): the hidden
-# rows of the programs in flight (<= 16 MiB) stay in the H200's 50 MB L2 while every vocab tile
-# streams past them; row-block-fastest order kept all row blocks in flight (64 MB at N = 16k,
-# H = 4096), so each re-read its rows from HBM for every vocab tile.
+# Grouped program order: the hidden rows of the programs in flight (<= this) stay in L2 while the vocab
+# tiles stream past them, instead of being re-read from HBM per tile (NOTES_fused_loss.md).
 _GROUP_BYTES = 16 << 20
-# Tile shape: 64 x 128 fp32 accumulator = 32 KiB of registers over 8 warps, K-steps of 64;
-# fp32 inputs step K by 16: their IEEE products run on the CUDA cores with the operand tiles in
-# registers, which spill at 64 (and at 32 in the backward on sm_90; benchmarks/gpu/aot.py).
+# 64 x 128 fp32 accumulator over 8 warps; fp32 inputs step K by 16, as their register-held IEEE
+# operand tiles spill at larger steps (NOTES_fused_loss.md, benchmarks/gpu/aot.py).
 _BLOCK_M, _BLOCK_V = 64, 128
 _BLOCK_K = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
 _NUM_WARPS = 8

@@ -12,7 +12,7 @@ the weights and the sums are fp64 in both backends; the gradient is written in
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -30,8 +30,19 @@ _LOG_RATIO_CLAMP = 20.0
 # Tokens per program: a 4 KiB fp32 tile per input keeps loads vectorised; the partial
 # sums buffer stays ~N/1024 rows, summed by torch deterministically.
 _BLOCK = 1024
-# Partial sums per program: weighted loss, clipped, clipped-lower, -log-ratio, tokens.
-_NUM_SUMS = 5
+
+
+class PolicyLossSums(NamedTuple):
+    """fp64 0-dim sums over the selected tokens; the custom op returns ``torch.stack(sums)`` (the Triton
+    kernel stores them in this field order), read back with ``PolicyLossSums._make(t.unbind())``."""
+    loss: torch.Tensor  # sum(w * mask * L)
+    clipped: torch.Tensor  # count
+    clipped_lower: torch.Tensor  # count (dual clip)
+    neg_log_ratio: torch.Tensor  # sum of -log(ratio), unweighted
+    tokens: torch.Tensor  # count
+
+
+_NUM_SUMS = len(PolicyLossSums._fields)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -94,14 +105,15 @@ def _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok, W_STRIDE: tl.
 @triton.jit
 def _policy_loss_fwd_kernel(
     p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_low, clip_high, clip_c,
-    W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+    W_STRIDE: tl.constexpr, BLOCK: tl.constexpr, NUM_SUMS: tl.constexpr,
 ):
+    """This block's partial sums into row ``i_b`` of ``p_part``, in PolicyLossSums' field order."""
     i_b = tl.program_id(0)
     o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
                                                                W_STRIDE, BLOCK)
     b_m = b_m.to(tl.float64)
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_low, clip_high, clip_c)
-    p_out = p_part + i_b.to(tl.int64) * 5
+    p_out = p_part + i_b.to(tl.int64) * NUM_SUMS
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
     tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
     tl.store(p_out + 2, tl.sum(b_m * b_clip_low, axis=0))
@@ -139,7 +151,7 @@ def _sums_triton(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
         return part.zero_()[0]
     _policy_loss_fwd_kernel[(cdiv(n, _BLOCK),)](
         lp, old, adv, mask.view(torch.uint8), w, part, n, clip_low, clip_high, clip_c,
-        W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
+        W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK, NUM_SUMS=_NUM_SUMS,
     )
     return part.sum(0)
 
@@ -178,18 +190,19 @@ def pg_token_terms(lp, old, adv, clip_low: float, clip_high: float, clip_c: floa
     return loss, dl, (pg2 > pg1).double(), ((c1 > pg3) & neg).double(), nkl
 
 
-def metric_sums(mask, clip, clip_low, nkl):
-    """fp64 (#clipped, #dual-clipped, sum(-log-ratio), #tokens) over the tokens ``mask`` selects; the
-    others are selected away (a NaN log-ratio there must not reach ``ppo_kl`` through NaN * 0)."""
+def metric_sums(mask, clip, clip_low, nkl) -> Dict[str, torch.Tensor]:
+    """fp64 counts and sum of -log-ratio over the tokens ``mask`` selects, keyed by the sums' field names;
+    the others are selected away (a NaN log-ratio there must not reach ``ppo_kl`` through NaN * 0)."""
     m = mask.double()
-    return [m @ clip, m @ clip_low, torch.where(mask, -nkl, 0.0).sum(), m.sum()]
+    return dict(clipped=m @ clip, clipped_lower=m @ clip_low, neg_log_ratio=torch.where(mask, -nkl, 0.0).sum(),
+                tokens=m.sum())
 
 
 @register("policy_loss_sums", "torch")
 def _sums_torch(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
     loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_low, clip_high, clip_c)
     wl = torch.where(mask, w.double() * loss, 0.0)
-    return torch.stack([wl.sum(), *metric_sums(mask, clip, clip_low_ind, nkl)])
+    return torch.stack(PolicyLossSums(loss=wl.sum(), **metric_sums(mask, clip, clip_low_ind, nkl)))
 
 
 @register("policy_loss_grad", "torch")
@@ -202,7 +215,7 @@ def _grad_torch(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c):
 @torch.library.custom_op("dapo::policy_loss_sums", mutates_args=())
 def policy_loss_sums(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, w: torch.Tensor,
                      clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
-    """fp64 ``[5]``: sum(w*mask*L), #clipped, #dual-clipped, sum(-log-ratio), #tokens over flat ``[N]`` inputs.
+    """``torch.stack(PolicyLossSums)`` (fp64) over flat ``[N]`` inputs.
 
     Per-token math and sums in fp64 (log-ratio terms reach +-20 while their mean is ~0.01).
     """
@@ -217,7 +230,7 @@ def _(lp, old, adv, mask, w, clip_low, clip_high, clip_c):
 @torch.library.custom_op("dapo::policy_loss_grad", mutates_args=())
 def policy_loss_grad(g: torch.Tensor, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                      w: torch.Tensor, clip_low: float, clip_high: float, clip_c: float) -> torch.Tensor:
-    """d(g * sums[0]) / d lp, in lp's dtype."""
+    """d(g * sums.loss) / d lp (``PolicyLossSums``), in lp's dtype."""
     return dispatch("policy_loss_grad", lp.device)(g, lp, old, adv, mask, w, clip_low, clip_high, clip_c)
 
 
@@ -234,7 +247,8 @@ def _sums_setup(ctx, inputs, output):
 
 def _sums_backward(ctx, grad):
     lp, old, adv, mask, w = ctx.saved_tensors
-    dlp = policy_loss_grad(grad[0].contiguous(), lp, old, adv, mask, w, *ctx.clips)
+    g = PolicyLossSums._make(grad.unbind()).loss  # the only sum policy_loss differentiates
+    dlp = policy_loss_grad(g.contiguous(), lp, old, adv, mask, w, *ctx.clips)
     # The loss depends on lp - old only.
     dold = -dlp if ctx.needs_input_grad[1] else None
     return dlp, dold, None, None, None, None, None, None
@@ -382,5 +396,5 @@ def policy_loss(
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
                             loss_scale_factor=loss_scale_factor)
     flat = [t.reshape(-1).contiguous() for t in (log_prob, old_log_prob, advantages, mask)]
-    sums = policy_loss_sums(*flat, w, *clips)
-    return sums[0].float(), metrics_from_counts(sums[1], sums[2], sums[3], sums[4])
+    sums = PolicyLossSums._make(policy_loss_sums(*flat, w, *clips).unbind())
+    return sums.loss.float(), metrics_from_counts(sums.clipped, sums.clipped_lower, sums.neg_log_ratio, sums.tokens)

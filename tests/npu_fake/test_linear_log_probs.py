@@ -8,6 +8,7 @@ import torch
 
 import dapo_kernels.reference.fused_linear_policy_loss as ref_fused
 
+from dapo_kernels.backend_api import LossParams, LossSums, LossTokens
 from dapo_kernels.ops.policy_loss import aggregation_weights
 from dapo_kernels.reference import fused_linear_policy_loss_ref
 from npu_ops import linear_log_probs as loss
@@ -87,11 +88,14 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
     mask = torch.rand(N) > 0.2
     clips = (0.2, 0.28, 3.0)
     w = aggregation_weights(mask, "token-mean")
-    tokens = [old, adv, mask, w, ref if kl_coef else old.new_zeros(0)]
-    params = [0.9, *clips, ent_coef, kl_coef]
-    sums, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(
-        hidden, weight, labels, tokens, params, "low_var_kl", 0, "", bool(ent_coef), True)
-    assert sums.dtype == torch.float64 and sums.shape == (8,)
+    tokens = LossTokens(old_log_prob=old, advantages=adv, mask=mask, weights=w,
+                        ref_log_prob=ref if kl_coef else old.new_zeros(0))
+    params = LossParams(temperature=0.9, clip_ratio_low=clips[0], clip_ratio_high=clips[1], clip_ratio_c=clips[2],
+                        entropy_coeff=ent_coef, kl_coef=kl_coef)
+    stacked, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(
+        hidden, weight, labels, list(tokens), list(params), "low_var_kl", 0, "", bool(ent_coef), True)
+    assert stacked.dtype == torch.float64 and stacked.shape == (len(LossSums._fields),)
+    sums = LossSums._make(stacked.unbind())
 
     def fn(h, w_):
         out = fused_linear_policy_loss_ref(h, w_, labels, old, adv, mask, temperature=0.9, clip_ratio_low=clips[0],
@@ -101,15 +105,15 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
 
     ref64 = _ref_grads(fn, hidden, weight, torch.float64)
     low = _torch_low(fn, hidden, weight, ref64)
-    # The loss as the op returns it: dk.fused_linear_policy_loss rounds sums[0] to fp32, and its sum of
+    # The loss as the op returns it: dk.fused_linear_policy_loss rounds sums.total to fp32, and its sum of
     # fp32 per-token terms can sit orders below one fp32 ulp of the loss by luck (torch's, on some
     # seeds), where the fp64 sums' own ulp floor would compare ours with that luck (0 of 600 seeds
     # over 2x in these terms; 4 of 100 in fp64 terms).
-    assert_close_to_ref(sums[0].float(), ref64[0][0], low[0][0], name="loss")
+    assert_close_to_ref(sums.total.float(), ref64[0][0], low[0][0], name="loss")
     assert_close_to_ref(log_prob, ref64[0][1], low[0][1], name="log_prob")
     if ent_coef:
         assert_close_to_ref(ent, ref64[0][2], low[0][2], name="entropy")
-    assert sums[5].item() == mask.sum().item()  # token count
+    assert sums.tokens.item() == mask.sum().item()
     # Known gap (traced 2026-12-01, not fixed): dH / dW exceed 2x plain torch's error on 4 of 600 seeds (both cases)
     # (up to 3.8x). Cause: the loss head's d loss / d log_prob comes from the fp32 log-probs, which
     # share one rounding of 1/T (fp32 1/0.9 is 4.3e-8 high; torch divides by fp32 0.9, 2.6e-8 off):
@@ -130,8 +134,11 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
 def test_fused_without_grad_or_tokens():
     hidden, weight, labels = make_linear(N, H, V, torch.float32)
     mask = torch.zeros(0, dtype=torch.bool)
-    tokens = [torch.zeros(0), torch.zeros(0), mask, aggregation_weights(mask, "token-mean"), torch.zeros(0)]
+    tokens = LossTokens(old_log_prob=torch.zeros(0), advantages=torch.zeros(0), mask=mask,
+                        weights=aggregation_weights(mask, "token-mean"), ref_log_prob=torch.zeros(0))
+    params = LossParams(temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                        entropy_coeff=0.0, kl_coef=0.0)
     sums, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(
-        hidden[:0], weight, labels[:0], tokens, [1.0, 0.2, 0.28, 3.0, 0.0, 0.0], "low_var_kl", 0, "", False, False)
-    assert torch.equal(sums, torch.zeros(8, dtype=torch.float64))
+        hidden[:0], weight, labels[:0], list(tokens), list(params), "low_var_kl", 0, "", False, False)
+    assert torch.equal(sums, torch.zeros(len(LossSums._fields), dtype=torch.float64))
     assert log_prob.shape == (0,) and d_h.shape == (0, H) and d_w.shape == (0, H)

@@ -11,7 +11,7 @@ from dapo_trainer.demo import ablation
 from dapo_trainer.demo.ablation_reward import compute_score
 from dapo_trainer.demo.assets import DemoConfig
 from dapo_trainer.demo.arithmetic import TaskConfig
-from dapo_trainer.report import ablation_summary, ablation_table, mean_ci, write_report
+from dapo_trainer.tools.report import ablation_summary, ablation_table, mean_ci, write_report
 
 
 def test_checker_accepts_both_conventions_of_showing_work_and_pays_rare_answers_half():

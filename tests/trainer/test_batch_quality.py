@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from dapo_trainer import batch_quality, report
+from dapo_trainer.tools import batch_quality, report
 from dapo_trainer.config import load_config
 from dapo_trainer.trainer import DAPOTrainer
 from tests.trainer.tiny import micro_setup
@@ -112,7 +112,7 @@ def test_report_batch_quality_images_resolve(dumped_run):
 
 def test_every_panel_has_title_labels_and_one_unit(tmp_path, monkeypatch):
     """Each saved figure: a title and both axis labels on every axis; the sampling panel draws
-    fractions only (its all-correct / all-wrong counts used to share the 0-1 axis)."""
+    fractions only (group counts on its 0-1 axis would mix two units)."""
     import matplotlib.figure
 
     from tests.trainer.test_report import _fake_run

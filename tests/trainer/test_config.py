@@ -227,11 +227,26 @@ def test_boundary_floats_accepted():
     assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.0
 
 
-def test_every_float_key_has_a_range():
-    from dapo_trainer.config import _FLOAT_RANGES
+def _field(key: str) -> dataclasses.Field:
+    *parents, name = key.split(".")
+    obj = Config()
+    for p in parents:
+        obj = getattr(obj, p)
+    return {f.name: f for f in dataclasses.fields(obj)}[name]
 
+
+def test_every_float_key_declares_a_range():
+    """A float key with no range must say so (range=ANY): none is left unchecked by omission."""
     listed = {k.split("[")[0].removesuffix(".w") for k, _ in FLOAT_LEAVES}
-    assert listed == set(_FLOAT_RANGES)
+    assert [k for k in sorted(listed) if "range" not in _field(k).metadata] == []
+
+
+def test_clip_ratio_keys_use_the_loss_ops_rules():
+    """One range rule from YAML to the clamp: each clip_ratio_* key's range is the loss ops' own."""
+    from dapo_kernels.validation import CLIP_RATIO_RANGES
+
+    for name, rule in CLIP_RATIO_RANGES.items():
+        assert _field(f"actor_rollout_ref.actor.{name}").metadata["range"] is rule
 
 
 # --------------------------------------------------------------------------- issue 16 item 9: duplicate keys

@@ -83,7 +83,7 @@ def test_assets_are_an_hf_model_dir_and_cached(tmp_path):
 def test_main_job_smoke(tmp_path):
     """Two steps on the tiny warm start through the real trainer, then the report (filtering off:
     a 3-step warm start gets almost no mixed groups, and unlimited re-sampling would never end)."""
-    from dapo_trainer.report import write_report
+    from dapo_trainer.tools.report import write_report
 
     run_dir = str(tmp_path / "run")
     res = run_demo(seed=1, cache_dir=str(tmp_path / "cache"), run_dir=run_dir, progress=False,
@@ -161,7 +161,7 @@ def test_dialog_main_job_smoke(tmp_path):
     desk environment, held-out success logged before and after, per-turn metrics, the report."""
     from dapo_trainer.demo.dialog import DialogDemoConfig
     from dapo_trainer.demo import DIALOG_CONFIG
-    from dapo_trainer.report import write_report
+    from dapo_trainer.tools.report import write_report
 
     run_dir = str(tmp_path / "run")
     res = run_demo(seed=1, config=DIALOG_CONFIG, cache_dir=str(tmp_path / "cache"), run_dir=run_dir, progress=False,

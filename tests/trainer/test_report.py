@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from dapo_trainer import report
+from dapo_trainer.tools import report
 
 
 def _fake_run(path, steps=6, resumed_at=None, partial_tail=False):

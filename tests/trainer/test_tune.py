@@ -8,12 +8,13 @@ import shlex
 
 import pytest
 
-from dapo_trainer import tune
+import dapo_trainer
+from dapo_trainer.tools import tune
 from dapo_trainer.config import load_config
 from dapo_trainer.trainer import DAPOTrainer
 from tests.trainer.tiny import micro_setup
 
-PRESETS = os.path.join(os.path.dirname(tune.__file__), "configs", "presets")
+PRESETS = os.path.join(os.path.dirname(dapo_trainer.__file__), "configs", "presets")
 
 
 def _preset_files():
@@ -26,7 +27,7 @@ def test_preset_is_what_dapo_tune_writes(name):
     args = shlex.split(text.splitlines()[0].lstrip("# "))[1:]  # the command in the first line
     i = args.index("--model")
     args[i + 1] = os.path.join(PRESETS, "models", args[i + 1])
-    assert tune.main(args) == text, f"{name} is stale: rerun the command in its first line with --output"
+    assert tune.cli(args) == text, f"{name} is stale: rerun the command in its first line with --output"
     cfg = load_config(os.path.join(PRESETS, name))
     assert cfg.algorithm.filter_groups.enable
 
@@ -44,7 +45,7 @@ def test_presets_cover_the_hardware():
 def test_tuned_config_trains(tmp_path):
     overrides = micro_setup(str(tmp_path))
     out = tmp_path / "tuned.yaml"
-    tune.main(["--task-type", "math", "--hardware", "cpu", "--model", str(tmp_path / "model"),
+    tune.cli(["--task-type", "math", "--hardware", "cpu", "--model", str(tmp_path / "model"),
                "--dataset", str(tmp_path / "train.jsonl"), "--output", str(out)])
     text = out.read_text()
     assert "24 dataset prompts in tokens" in text  # the tiny model has a tokenizer
@@ -100,7 +101,7 @@ def test_memory_model_matches_cpu_peak():
     spec = importlib.util.spec_from_file_location("bench_memory_model", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from dapo_trainer.memory_model import train_memory
+    from dapo_trainer.tools.memory_model import train_memory
 
     for size in bench.SIZES[:2]:
         for tokens in bench.TOKENS:

@@ -4,7 +4,7 @@
 --model PATH [--dataset PATH] [--profile profile.json] [--output FILE]``
 
 PATH is a HF model directory of which only ``config.json`` is read (a 7B or 32B model is planned
-without its weights). The memory side rests on :mod:`dapo_trainer.memory_model`; the batch side on
+without its weights). The memory side rests on :mod:`dapo_trainer.tools.memory_model`; the batch side on
 the expected keep rate of dynamic sampling (the profile's measured one when given, else a prior per
 task) and, with ``--dataset``, the prompts' length distribution (tokens when the model directory
 has a tokenizer, else characters / 3.5). The YAML loads with ``--config`` in the trainer; model and
@@ -67,7 +67,7 @@ def _quantile(values: List[int], q: float) -> int:
 
 
 def dataset_prompt_lengths(path: str, model_dir: str) -> Tuple[List[int], str]:
-    from . import data as data_mod
+    from .. import data as data_mod
 
     rows = data_mod.load_rows([path])
     texts = [r["prompt"] if isinstance(r["prompt"], str) else " ".join(m["content"] for m in r["prompt"])
@@ -94,7 +94,7 @@ def fill_probability(gen_batch_size: int, keep: float, need: int, batches: int) 
 def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] = None,
          profile: Optional[str] = None) -> List[Tuple[str, object, str]]:
     """``[(dotted key, value, reason)]`` of the tuned config."""
-    from .hf_io import read_hf_config
+    from ..hf_io import read_hf_config
 
     if task_type not in TASKS:
         raise ValueError(f"task_type must be one of {sorted(TASKS)}, got {task_type!r}")
@@ -290,7 +290,8 @@ def to_yaml(values: List[Tuple[str, object, str]], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> str:
+def cli(argv: Optional[List[str]] = None) -> str:
+    """``dapo-tune`` with ``argv``: prints the YAML (and writes ``--output``); returns its text."""
     ap = argparse.ArgumentParser(prog="dapo-tune", description=__doc__.splitlines()[0])
     ap.add_argument("--task-type", required=True, choices=sorted(TASKS))
     ap.add_argument("--hardware", required=True, choices=list(HARDWARE))
@@ -314,5 +315,11 @@ def main(argv: Optional[List[str]] = None) -> str:
     return text
 
 
+def main(argv: Optional[List[str]] = None) -> int:
+    """The console script: exit status 0 (the wrapper passes a returned value to ``sys.exit``)."""
+    cli(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

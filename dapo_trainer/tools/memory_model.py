@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from .model import ModelConfig
+from ..model import ModelConfig
 
 LOSS_CHUNK_BYTES = 64 << 20  # dapo_kernels' TORCH_CHUNK_BYTES: the fused loss' fp32 logits per chunk
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 from typing import List, Optional
 
-__all__ = ["run_profile", "findings", "write_html", "main"]
+__all__ = ["run_profile", "findings", "write_html", "cli", "main"]
 
 # Thresholds of the findings (quoted in their text).
 MANY_GEN_BATCHES = 1.5  # mean generation batches per step
@@ -81,7 +81,7 @@ def run_profile(cfg, *, steps: Optional[int] = None, duration: Optional[float] =
     step); returns the profile (also written to ``out_dir/profile.json``)."""
     import torch
 
-    from .trainer import DAPOTrainer
+    from ..trainer import DAPOTrainer
 
     if steps is None and duration is None:
         raise ValueError("give steps or duration")
@@ -287,8 +287,9 @@ def write_html(p: dict, out_dir: str) -> str:
     return path
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
-    from .config import load_config
+def cli(argv: Optional[List[str]] = None) -> dict:
+    """``dapo-profile`` with ``argv``: profiles, prints the summary and findings; returns the profile."""
+    from ..config import load_config
 
     ap = argparse.ArgumentParser(prog="dapo-profile", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="trainer YAML")
@@ -317,5 +318,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     return p
 
 
+def main(argv: Optional[List[str]] = None) -> int:
+    """The console script: exit status 0 (the wrapper passes a returned value to ``sys.exit``)."""
+    cli(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -1,35 +1,26 @@
-"""Reward functions with verl's custom-reward signature.
+"""Built-in reward checkers with verl's custom-reward signature.
 
-Every scorer is ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
-and returns a dict with ``"score"`` (the reward, a float) and ``"acc"`` (1.0 when the final
-answer is right, else 0.0), so ``algorithm.filter_groups.metric=acc`` works with any of
-them. A user's own function (:func:`load_reward_fn`) may return a bare float or a dict
-with more named float components.
-
-Rewards are 1.0 for a correct final answer and 0.0 otherwise. (DAPO's recipe uses +1/-1;
-for group-normalised advantages only the gap matters, and 0/1 keeps ``score == acc``
-readable in the report. The overlong penalty is added on top by the trainer.)
+Every checker is ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` and
+returns ``{"score", "acc"}``, 1.0 for a correct final answer and 0.0 otherwise (group-normalised
+advantages depend only on the gap, and 0/1 keeps ``score == acc``); the trainer adds the overlong
+penalty on top.
 """
 from __future__ import annotations
 
-import os
 import re
 from fractions import Fraction
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 __all__ = [
     "math_compute_score",
     "arithmetic_compute_score",
     "default_compute_score",
-    "load_reward_fn",
     "extract_final_answer",
     "normalize_answer",
     "answers_match",
     "MATH_DATA_SOURCES",
     "ARITHMETIC_DATA_SOURCES",
 ]
-
-ScoreFn = Callable[..., Union[float, dict]]
 
 MATH_DATA_SOURCES = (
     "gsm8k", "openai/gsm8k", "math", "lighteval/math", "digitallearninggmbh/math-lighteval",
@@ -162,7 +153,7 @@ def _ground_truth(ground_truth) -> str:
     return ground_truth
 
 
-# --------------------------------------------------------------------------- scorers
+# --------------------------------------------------------------------------- checkers
 def math_compute_score(data_source: str, solution_str: str, ground_truth: str,
                        extra_info: Optional[dict] = None) -> dict:
     """Math checker: the response's final ``\\boxed{x}`` or ``#### x`` equals the ground
@@ -202,22 +193,3 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
         f"data_source {data_source!r} has no built-in reward; known: "
         f"{', '.join(ARITHMETIC_DATA_SOURCES + MATH_DATA_SOURCES)}. Set custom_reward_function.path "
         f"to score it with your own function")
-
-
-def load_reward_fn(path: str, name: str = "compute_score") -> ScoreFn:
-    """The function ``name`` from the Python file at ``path`` (``custom_reward_function``).
-
-    The file is executed as Python code with the trainer's rights, as verl does: only trusted code."""
-    from .envs import load_attr
-
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise TypeError(f"custom_reward_function.path must be a file path, got {path!r}")
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"custom_reward_function.name must be a non-empty str, got {name!r}")
-    full = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(full):
-        raise ValueError(f"custom_reward_function.path: no such file {full!r}")
-    fn = load_attr(full, name, "custom_reward_function")
-    if not callable(fn):
-        raise TypeError(f"custom_reward_function.name: {name!r} in {full!r} is not callable")
-    return fn

@@ -8,7 +8,7 @@ environment turn and assistant vs environment tokens per step, with their run me
 summary table.
 Writes ``RUN_DIR/report/index.html`` and its PNGs; returns / prints the HTML path.
 
-``--analysis batch_quality`` adds the section of :mod:`dapo_trainer.batch_quality`, read from
+``--analysis batch_quality`` adds the section of :mod:`dapo_trainer.tools.batch_quality`, read from
 the rollouts the trainer dumped (``trainer.rollout_data_dir``; default ``RUN_DIR/rollout_data``).
 The page refers to its PNGs by relative path, so it opens from disk without a server; a
 script marks every image that fails to load (``data-state="broken"`` and a red outline).
@@ -388,7 +388,8 @@ def _write_page(out_dir: str, page: str) -> str:
     return path
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> int:
+    """The console script: prints the page's path; exit status 0."""
     p = argparse.ArgumentParser(prog="dapo-report", description="HTML report with plots of a DAPO run")
     p.add_argument("run_dir", help="the trainer's run directory (trainer.default_local_dir), or the directory "
                                    "of python -m dapo_trainer.demo.ablation (its rungs side by side)")
@@ -402,7 +403,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(write_report(args.run_dir, args.out, args.analysis, args.rollout_dir))
     except ValueError as e:
         sys.exit(f"dapo-report: {e}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The config's closed sets of values, each defined once as a ``Literal`` (the schema's field types).
+
+``choices(T)`` is the tuple of a Literal's values, for code that lists or compares them. The loader
+checks every ``Literal``-typed key against its values at load; nothing else needs to repeat them.
+"""
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+from dapo_kernels import KL_TYPES, LOSS_AGG_MODES
+
+from ..rollout.base import ENGINES, RolloutName
+
+# The library's tuples are the single list of its loss modes: the config's type is built from them.
+LossAggMode = Literal[LOSS_AGG_MODES]  # type: ignore[valid-type]
+KlType = Literal[KL_TYPES]  # type: ignore[valid-type]
+
+Strategy = Literal["ddp", "fsdp2"]  # gradient all-reduce | fully sharded
+ParamDtype = Literal["float32", "bfloat16", "float16"]
+Truncation = Literal["error", "left", "right"]
+FilterMetric = Literal["acc", "score", "seq_reward", "seq_final_reward"]
+KeepPreference = Literal["first", "longest", "random"]
+AdvEstimator = Literal["grpo"]
+Scorer = Literal["relevance", "coherence"]
+Embedder = Literal["minilm", "ngram"]
+OnError = Literal["raise", "drop"]
+ResumeMode = Literal["auto", "disable", "resume_path"]
+Device = Literal["auto", "cpu", "cuda", "npu"]
+# Each SP rank aggregates the loss of its token shard: only token-additive modes stay exact.
+SP_LOSS_AGG_MODES = ("token-mean", "token-sum")
+
+
+def choices(literal) -> tuple:
+    """The values of a ``Literal`` type, in declaration order."""
+    return typing.get_args(literal)
+
+
+FILTER_METRICS = choices(FilterMetric)
+RESUME_MODES = choices(ResumeMode)
+STRATEGIES = choices(Strategy)
+PARAM_DTYPES = choices(ParamDtype)
+DEVICES = choices(Device)
+
+__all__ = ["LossAggMode", "KlType", "Strategy", "ParamDtype", "Truncation", "FilterMetric", "KeepPreference",
+           "AdvEstimator", "Scorer", "Embedder", "OnError", "ResumeMode", "Device", "RolloutName", "ENGINES",
+           "choices", "SP_LOSS_AGG_MODES", "FILTER_METRICS", "RESUME_MODES", "STRATEGIES", "PARAM_DTYPES", "DEVICES"]

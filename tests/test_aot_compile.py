@@ -43,7 +43,7 @@ _PTX = """
 	wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%r1,%r2,%r3,%r4}, %rd1, %rd2, 0, 1, 1, 0, 0;
 	wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%r1,%r2,%r3,%r4}, %rd3, %rd4, 1, 1, 1, 0, 0;
 	.loc	1 14 3
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1,%f2,%f3,%f4}, {%r5,%r6,%r7,%r8}, {%r9,%r10}, {%f1,%f2,%f3,%f4};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1,%f2,%f3,%f4}, {%r5,%r6,%r7,%r8}, {%r9,%r10}, {%f1};
 	.loc	1 16 3
 	fma.rn.f32 	%f5, %f6, %f7, %f5;
 	fma.rn.f32 	%f8, %f6, %f7, %f8;

@@ -266,7 +266,8 @@ def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None, driver_
         cfg = " ".join(f"{k.replace('num_', '')}={v}" for k, v in kwargs.items() if _CONFIG_KEYS.match(k))
         rec = Record(name, cfg, case.op, case.dtype, case.inputs, arch, i, compile_s=round(seconds, 2),
                      **_resources(kernel, arch))
-        rec.model = aot_model.predict(rec.kernel, rec.dtype, rec.inputs, rec.dots, rec.blocks, rec.threads // 32)
+        rec.model = aot_model.predict(rec.kernel, rec.dtype, rec.inputs, rec.dots, rec.blocks, rec.threads // 32,
+                                      rec.config)
         if real_driver is not None:
             rec.driver = _driver_resources(real_driver, kernel)
         records.append(rec)
@@ -340,7 +341,7 @@ def shapes_table(records: List[Record]) -> str:
         if r.kernel not in MATMUL_KERNELS:
             continue
         dots = "; ".join(f"{label.split(':')[0]} {_dot_cell(s)}" for label, s in r.dots.items()) or "-"
-        pred = f"{r.model['tflops']:.0f} ({r.model['fraction']:.2f})" if r.model else "-"
+        pred = f"{r.model['tflops']:.0f} ({r.model['fraction']:.2f}, {r.model['bound']})" if r.model else "-"
         lines.append(f"| {r.kernel.replace('_varlen_attention_', 'attn_').replace('_linear_log_probs_', 'lm_')} | "
                      f"{r.config or '-'} | sm_{r.arch} | {r.dtype} | {r.inputs} | {dots} | {r.mma_sync} | {r.regs} | "
                      f"{r.stack} | {r.smem} | {r.blocks} ({r.limiter}) | {pred} |")

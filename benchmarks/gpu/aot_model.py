@@ -19,8 +19,8 @@ against the first GPU run; it is stated here so that the run can refute it.
 * Work at a reference problem per kernel (:data:`PROBLEMS`): attention, one causal sequence of
   16,384 tokens, 32 query / 8 KV heads; lm_head passes, N=16,384, H=4,096, V=151,936. Every dot
   of an attention kernel does ``2 D`` FLOPs per (query, key) score, the lm_head dot ``2 H`` per
-  logit; one exponential per score / logit; bytes = each input read and each output written once
-  (re-reads are assumed to hit the 50 MB L2).
+  logit; one exponential per score / logit; HBM bytes = each input read and each output written
+  once (re-reads hit the 50 MB L2: next item but two).
 * Dot time = its FLOPs / its rate. 16-bit ``wgmma`` runs at ``R = 790 TFLOP/s`` (cuBLAS bf16
   measured on this H200, KINDS.md) times ``e(N) / e(256)``, ``e(N) = (N/2) / (N/2 + 16)``: an
   ``m64nNk16`` does N/2 clocks of math per SM, and about 16 clocks go to feeding its 2 KB A
@@ -33,11 +33,18 @@ against the first GPU run; it is stated here so that the run can refute it.
   warpgroups resident per SM, all but ``1/wg`` of that time overlaps another warpgroup's MMAs.
 * None of these kernels is warp-specialised, so a warpgroup waits on its own loads and wgmma
   completions: latency hiding ``h = min(1, 0.5 + 0.125 wg)`` (1 warpgroup: 0.625, 2: 0.75, 4+: 1).
-* ``t = max((t_dots + t_exp / wg) / h, bytes / 4.8 TB/s)``; predicted TFLOP/s = FLOPs / t.
+* Operand re-reads go through L2 at ``L2_TBS`` = 7 TB/s (H100 figures reported between 5.5 and 10:
+  a lead): a tile's FLOPs per byte loaded are, for an lm_head tile, ``2 BM BV / ((BM + BV) e)``
+  (e = element bytes); for attention, dots x (rows the program owns) / e (the other operand
+  streams past them: queries for dK/dV, keys for the forward and dQ).
+* ``t = max((t_dots + t_exp / wg) / h, bytes / 4.8 TB/s, FLOPs / (intensity x L2_TBS))``;
+  predicted TFLOP/s = FLOPs / t.
 
 Anchor (not fitted elsewhere): Triton's fused-attention tutorial forward on Hopper, D=128, 128 x
 128 tiles at 8 warps (``wg`` = 2, both dots N=128): the model gives 457 TFLOP/s against the
-published 400-480 on H100; FlashAttention-2's ``mma.sync`` at ``wg`` = 2: 330 against ~370.
+published 400-480 on H100 (pytorch/benchmark's run, 16k tokens: 477); FlashAttention-2's
+``mma.sync`` at ``wg`` = 2: 330 against ~370. The L2 term puts the lm_head passes (64 x 128 tiles:
+43 FLOP/B) at ~300 TFLOP/s, inside issue 32's 250-430 estimate.
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ from typing import Dict, Optional
 
 PEAK_TFLOPS = 790.0  # bf16 dense through cuBLAS, measured on this workplace's H200 (KINDS.md)
 HBM_TBS = 4.8  # H200 datasheet (a device-to-device copy measured 4.3 here)
+L2_TBS = 7.0  # L2 -> SM operand bandwidth: a lead (H100 reports range 5.5-10 TB/s)
 EXP_PER_S = 132 * 16 * 1.98e9  # SFU ex2 per second: SMs x per-SM-clock x boost clock
 MMA_SYNC_TFLOPS = 0.62 * PEAK_TFLOPS
 F64_MMA_TFLOPS = 67.0
@@ -204,10 +212,20 @@ def problem(kernel: str, dtype: str, inputs: str) -> Optional[dict]:
     return None
 
 
+def _intensity(kernel: str, config: str, n_dots: int, elt: int) -> Optional[float]:
+    """FLOPs per byte of operand tiles loaded (through L2), from the config's block sizes."""
+    blocks = {k: int(v) for k, v in re.findall(r"BLOCK_([A-Z]+)=(\d+)", config)}
+    if kernel.startswith("_linear_log_probs") and {"M", "V"} <= blocks.keys():
+        return 2 * blocks["M"] * blocks["V"] / ((blocks["M"] + blocks["V"]) * elt)
+    owned = blocks.get("N" if "dkdv" in kernel else "M")
+    return n_dots * owned / elt if owned and n_dots else None
+
+
 def predict(kernel: str, dtype: str, inputs: str, dots: Dict[str, Dict[str, int]], blocks: int,
-            warps: int) -> Optional[dict]:
+            warps: int, config: str = "") -> Optional[dict]:
     """The model's estimate for one compiled kernel at its reference problem: FLOPs, bytes, time
-    (ms), TFLOP/s and the fraction of ``PEAK_TFLOPS``; None where no work model exists."""
+    (ms), TFLOP/s, the fraction of ``PEAK_TFLOPS`` and which term bounds it; None where no work
+    model exists."""
     work = problem(kernel, dtype, inputs)
     if work is None:
         return None
@@ -216,12 +234,14 @@ def predict(kernel: str, dtype: str, inputs: str, dots: Dict[str, Dict[str, int]
     wg = max(1, blocks * warps // 4)
     h = min(1.0, 0.5 + 0.125 * wg)
     t_exp = work["exps"] / EXP_PER_S if dots else 0.0
-    t = max((t_dots + t_exp / wg) / h, work["bytes"] / (HBM_TBS * 1e12))
+    intensity = _intensity(kernel, config, len(dots), _BYTES.get(dtype, 4))
+    terms = {"compute": (t_dots + t_exp / wg) / h, "HBM": work["bytes"] / (HBM_TBS * 1e12),
+             "L2": flops / (intensity * L2_TBS * 1e12) if intensity else 0.0}
+    bound = max(terms, key=terms.get)
+    t = terms[bound]
     tflops = flops / t / 1e12 if t else 0.0
     return dict(problem=work["problem"], flops=flops, flops_per_dot=work["flops_per_dot"], bytes=work["bytes"],
-                ms=t * 1e3, tflops=round(tflops, 1),
-                fraction=round(tflops / PEAK_TFLOPS, 3), bound="memory" if t == work["bytes"] / (HBM_TBS * 1e12)
-                else "compute")
+                ms=t * 1e3, tflops=round(tflops, 1), fraction=round(tflops / PEAK_TFLOPS, 3), bound=bound)
 
 
 def _best(records, prefix: str, need: str = "", avoid: str = ""):

@@ -233,8 +233,8 @@ def _resources(kernel, arch: int) -> dict:
         found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
         regs, stack, static_smem = (int(x) for x in found.groups())
     dots = aot_model.dot_shapes(kernel.asm["ptx"])
-    kinds = " ".join(k for shapes in dots.values() for k in shapes)
-    mma = "+".join(k for k in ("wgmma", "mma") if f"{k} " in kinds) or "-"
+    kinds = {k.split()[0] for shapes in dots.values() for k in shapes}
+    mma = "+".join(k for k in ("wgmma", "mma") if k in kinds) or "-"
     smem = kernel.metadata.shared + static_smem
     threads = 32 * kernel.metadata.num_warps * getattr(kernel.metadata, "num_ctas", 1)
     blocks, limiter = aot_model.occupancy(regs, threads, smem, arch)

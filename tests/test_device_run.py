@@ -1,8 +1,9 @@
 """``benchmarks/gpu/device_run.sh``, the whole GPU run in one command, runs end to end on the CPU
 (``DEVICE_RUN_TOY=1``: checks at toy sizes under the Triton interpreter, a small AOT set) and
 writes its JSON and markdown table: wheels shipped beside the checkout are installed and seen by
-the checks, the commit passed in is recorded, and a check that outlives its time limit is killed
-and reported while the checks after it still run (issue 29)."""
+the checks (one pip refuses is recorded and blocks no other), the commit passed in is recorded, and
+a check that outlives its time limit is killed and reported while the checks after it still run
+(issue 29)."""
 import base64
 import hashlib
 import json
@@ -36,7 +37,9 @@ def _wheel(folder: pathlib.Path) -> pathlib.Path:
 def test_device_run_writes_json_and_table_and_survives_a_slow_check(tmp_path):
     wheels = tmp_path / "whl"
     wheels.mkdir()
-    _wheel(wheels)
+    probe = _wheel(wheels)
+    # A wheel for another Python (as a cp311 build of this package would be on the device's 3.12).
+    (wheels / "dapo_other_python-0.1-cp27-cp27mu-manylinux1_x86_64.whl").write_bytes(probe.read_bytes())
     out = tmp_path / "out"
     env = dict(os.environ, DEVICE_RUN_TOY="1", DEVICE_RUN_WHEELS=str(wheels), PYTHON=sys.executable,
                DEVICE_RUN_CHECKS="model packing aot", DEVICE_RUN_TIMEOUT_model="2")
@@ -46,7 +49,8 @@ def test_device_run_writes_json_and_table_and_survives_a_slow_check(tmp_path):
     assert proc.returncode == 1, f"the timed-out check must make the run not ok (rc {proc.returncode}):\n{log[-3000:]}"
     result = json.loads((out / "device_run.json").read_text())
     assert result["commit"] == "abc1234" and result["toy"] is True
-    assert result["wheels"]["status"] == "ok", result["wheels"]
+    assert result["wheels"]["installed"] == [probe.name], result["wheels"]
+    assert list(result["wheels"]["failed"]) == ["dapo_other_python-0.1-cp27-cp27mu-manylinux1_x86_64.whl"]
     assert result["environment"]["shipped dapo_device_probe"] == "0.1", result["environment"]
     assert result["environment"]["torch"] and result["environment"]["triton"]
     assert result["environment"]["dapo_kernels"].endswith("__init__.py")

@@ -140,10 +140,16 @@ def _install_wheels(site: pathlib.Path, log, env) -> dict:
     wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
     if not wheels:
         return {"folder": str(folder), "installed": [], "status": "none shipped"}
-    rc, _, out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                       "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], 300, log, env)
-    return {"folder": str(folder), "installed": [w.name for w in wheels],
-            "status": "ok" if rc == 0 else f"pip failed (exit {rc}): {out.strip()[-300:]}"}
+    installed, failed = [], {}
+    for wheel in wheels:  # one at a time: a wheel pip refuses (another Python's tag) blocks no other
+        rc, _, out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(site), str(wheel)], 120, log, env)
+        if rc == 0:
+            installed.append(wheel.name)
+        else:
+            failed[wheel.name] = f"exit {rc}: {out.strip()[-200:]}"
+    return {"folder": str(folder), "installed": installed, "failed": failed,
+            "status": "ok" if not failed else f"{len(failed)} of {len(wheels)} failed"}
 
 
 def _nvidia_smi(out_dir: pathlib.Path, log, env) -> Optional[str]:

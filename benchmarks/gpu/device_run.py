@@ -211,7 +211,10 @@ def markdown(result: dict, out_dir: pathlib.Path) -> str:
     if (out_dir / "aot.json").exists():
         sys.path.insert(0, str(HERE.parent))
         from gpu import aot, aot_model
-        records = [aot.Record(**r) for r in json.loads((out_dir / "aot.json").read_text())]
+        try:
+            records = [aot.Record(**r) for r in json.loads((out_dir / "aot.json").read_text())]
+        except (ValueError, TypeError) as e:  # a half-written file from a killed aot.py: the table says so
+            records, lines = [], lines + ["", f"aot.json unreadable: {e}"]
         if any(r.kernel in aot.MATMUL_KERNELS for r in records):
             lines += ["", "AOT instruction shapes, occupancy and the model's estimate:", "", aot.shapes_table(records),
                       "", aot_model.summarize(records)]
@@ -220,6 +223,8 @@ def markdown(result: dict, out_dir: pathlib.Path) -> str:
 
 def main(out_dir: pathlib.Path, commit: str, toy: bool) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("aot.json", "aot.md", "nvidia-smi.txt"):  # only this run's files are read back
+        (out_dir / stale).unlink(missing_ok=True)
     t_start = time.time()
     budget = float(os.environ.get("DEVICE_RUN_BUDGET_S", 540))
     order = _order()

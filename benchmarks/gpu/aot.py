@@ -1,5 +1,6 @@
 """Compile every Triton kernel of dapo_kernels for sm_90 / sm_80 without a GPU, and read what
-``ptxas`` made of it: registers, spills, shared memory, tensor-core instructions.
+``ptxas`` made of it: per ``tl.dot`` the tensor-core instructions and their shapes, registers,
+spills, shared memory, occupancy, and a static performance estimate.
 
     python benchmarks/gpu/aot.py [--set full|test] [--arch 90 80] [--ops OP ...] [--jobs N] [--markdown F]
 
@@ -14,9 +15,16 @@ divisibility by 16; the sizes here are multiples of 16, the common case).
 
 Per compiled kernel: registers and stack frame from the cubin (``cuobjdump
 --dump-resource-usage``; these kernels call no functions and keep no local arrays, so a stack frame
-only ever holds spilled registers: ``ptxas -v`` reports as many spill-store bytes), shared memory =
-Triton's dynamic allocation + the cubin's static one, and the MMA instruction in the PTX
-(``wgmma`` on Hopper, ``mma`` = mma.sync, ``-`` = CUDA-core FMA only).
+only ever holds spilled registers: ``ptxas -v`` reports as many spill-store bytes; on a GPU,
+``--driver`` also loads each cubin and records the driver's ``n_regs`` / ``n_spills``), shared
+memory = Triton's dynamic allocation + the cubin's static one, per dot the
+``wgmma m64nNk16`` N values / ``mma.sync`` shapes / CUDA-core FMA read from the PTX's line
+information, resident blocks per SM, and the model's predicted TFLOP/s (an ESTIMATE; the model
+is stated in benchmarks/gpu/aot_model.py).
+
+Rules (:func:`violations`; documented breaks in the one table :data:`EXCEPTIONS`): shared memory
+within the chip's per-block limit, no spills, and on sm_90 every dot of a 16-bit matmul kernel a
+``wgmma`` with N >= 64 and no ``mma.sync`` in any kernel.
 
 ``--set full`` (default) is the sweep recorded in benchmarks/RESULTS.md; ``--set test`` the subset
 tests/test_aot_compile.py compiles (see :func:`cases`). Compiled kernels are cached on disk by
@@ -25,205 +33,96 @@ Triton (``TRITON_CACHE_DIR``, default ``.cache/triton-aot`` in the checkout).
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-OPS_DIR = ROOT / "dapo_kernels" / "ops"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu import aot_model  # noqa: E402
+from gpu.aot_cases import ATTN_HEAD_DIMS, OPS_DIR, Case, cases, jit_kernels  # noqa: E402,F401
+
 ARCHS = (90, 80)
 # Opt-in shared memory per block (CUDA programming guide, compute capabilities table).
 SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
-# Kernels with a tl.dot on their hot path: their 16-bit instances must use wgmma on sm_90. fp32
-# inputs run input_precision="ieee" (exact fp32 products), which no tensor-core instruction
-# computes: those instances are FMA by design.
+# wgmma's narrowest N that runs the tensor cores near their rate (aot_model.wgmma_efficiency).
+MIN_WGMMA_N = 64
+# Kernels with a tl.dot on their hot path: on sm_90 each dot of their 16-bit instances must be a
+# wgmma with N >= MIN_WGMMA_N. fp32 inputs run input_precision="ieee" (exact fp32 products), which
+# no tensor-core instruction computes: those dots are FMA by design.
 MATMUL_KERNELS = (
     "_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel", "_varlen_attention_bwd_dq_kernel",
     "_linear_log_probs_fwd_kernel", "_linear_log_probs_bwd_kernel",
 )
-ATTN_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the rows of varlen_attention's _GPU_TILES
-# Head dims between the rows (multiples of 8, masked columns): they compile to other kernels.
-ODD_HEAD_DIMS = (8, 40, 80, 112, 160, 200)
-# Contiguous group_filter: each power of two up to the widest tile (the kernel's tile shape), and
-# sizes that are not multiples of 16 (Triton specialises integer arguments on that).
-GROUP_SIZES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 3000, 4096)
-# Rule breaks that are known and documented (benchmarks/RESULTS.md): (kernel, arch, dtypes,
-# inputs prefix, rule prefix) -> why. tests/test_aot_compile.py fails on any other break, and on
-# an exception that no longer happens.
+B16 = ("float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+    """A known, documented rule break: ``kernel`` on ``sm_<arch>`` for inputs of ``dtypes`` whose head
+    dim uses a tile row in ``rows`` (varlen_attention's _GPU_TILES; empty: any), violations whose rule
+    (text before the first ':') is in ``rules``, on the dots named in ``dots`` (empty: any)."""
+    kernel: str
+    arch: int
+    dtypes: Tuple[str, ...]
+    rules: Tuple[str, ...]
+    reason: str
+    dots: Tuple[str, ...] = ()
+    rows: Tuple[int, ...] = ()
+
+
 _F32_DP_SPILLS = (
     "fp32 backward: dP = dO V^T is summed in fp64 (exact products; varlen_attention._DELTA_DTYPES: its "
     "fp32 rounding did not cancel against delta where a query sees one key, 2.9x torch's error); the fp64 "
     "mma operands and accumulator spill 8-3056 B in most fp32 dK/dV and dQ tiles (D=256 most). "
     "Correctness first: fp32 attention is not the GPU training path (16-bit inputs are, unchanged)")
-EXCEPTIONS = {
-    ("_varlen_attention_bwd_dkdv_kernel", 90, ("float16", "bfloat16"), "D=256", "no wgmma"):
-        "every dK/dV tile with >= 64 rows (wgmma's minimum per warpgroup) spills at D = 256 (32 rows "
-        "spill too since the NaN masking); the spill-free 16-row tile runs mma.sync",
-    ("_varlen_attention_bwd_dq_kernel", 90, ("float16", "bfloat16"), "D=256", "no wgmma"):
-        "the 64-row dQ tile spills at D = 256 (80-176 B, with the NaN masking of the diagonal tile); "
-        "the spill-free 32-row tile runs mma.sync",
-    **{(f"_varlen_attention_bwd_{k}_kernel", arch, ("float32",), "D=", "spills"): _F32_DP_SPILLS
-       for k in ("dkdv", "dq") for arch in ARCHS},
-}
-
-
-def jit_kernels() -> Dict[str, str]:
-    """``{kernel name: module file}`` for every ``@triton.jit`` function in dapo_kernels/ops that a
-    launcher starts with ``kernel[grid](...)`` (the other jit functions are inlined helpers)."""
-    found = {}
-    for path in sorted(OPS_DIR.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        jitted = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-                  and any(ast.unparse(d).startswith("triton.jit") for d in f.decorator_list)}
-        launched = {n.func.value.id for n in ast.walk(tree) if isinstance(n, ast.Call)
-                    and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)}
-        found.update({name: path.name for name in sorted(jitted & launched)})
-    return found
-
-
-# --------------------------------------------------------------------------- launches
-@dataclasses.dataclass
-class Case:
-    """One call of registered Triton launchers on CPU tensors."""
-    op: str
-    dtype: str
-    inputs: str
-    call: Callable[[], object]
-
-
-def _name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _attention(specs) -> Iterator[Case]:
-    """``specs``: (dtype, head dim, causal[, variant]) tuples; forward and backward (delta, dK/dV
-    with and without atomic dQ, dQ). ``variant`` "local" adds a sliding window and soft-capping
-    (the LOCAL / SOFTCAP instances of every kernel); default "plain"."""
-    import torch
-    from dapo_kernels._registry import _impls
-    T, Hq, Hkv = 256, 4, 2  # GROUP = 2: the GQA loop of the dK/dV kernel
-    for dt, D, causal, *variant in specs:
-        local = variant == ["local"]
-        masking = (48, -1 if causal else 16, 30.0) if local else (-1, -1, 0.0)  # window left/right, softcap
-
-        def run(dt=dt, D=D, causal=causal, masking=masking):
-            q = torch.randn(T, Hq, D, dtype=dt)
-            k, v = torch.randn(T, Hkv, D, dtype=dt), torch.randn(T, Hkv, D, dtype=dt)
-            cu = torch.tensor([0, 96, T], dtype=torch.int32)
-            out, lse = _impls["varlen_attention_fwd"]["triton"](q, k, v, cu, 160, causal, D ** -0.5, *masking)
-            for deterministic in (True, False):  # the dQ kernel; dQ by atomics in the dK/dV kernel
-                _impls["varlen_attention_bwd"]["triton"](torch.randn_like(q), q, k, v, out, lse, cu, 160, causal,
-                                                         D ** -0.5, *masking, deterministic)
-        yield Case("varlen_attention", _name(dt),
-                   f"D={D} {'causal' if causal else 'full'}{' window+softcap' if local else ''}", run)
-
-
-def _linear(dtypes) -> Iterator[Case]:
-    """Statistics (with and without entropy) and the dlogits recompute of the lm_head ops."""
-    import torch
-    from dapo_kernels.ops.linear_log_probs import grads_triton, stats_triton
-    N, H, V = 128, 256, 512
-    for dt in dtypes:
-        def run(dt=dt):
-            h, w, lab = torch.randn(N, H, dtype=dt), torch.randn(V, H, dtype=dt), torch.randint(0, V, (N,))
-            for entropy in (False, True):
-                stats_triton(h, w, lab, 1.0, 0, entropy)
-            grads_triton(h, w, lab, 1.0, 0, torch.zeros(5, N, dtype=torch.float64), torch.ones(N), torch.ones(N))
-        yield Case("linear_log_probs", _name(dt), "N=128 H=256 V=512", run)
-
-
-def _policy_loss(dtypes) -> Iterator[Case]:
-    import torch
-    from dapo_kernels._registry import _impls
-    n = 2048
-    for dt in dtypes:
-        for per_token in (False, True):  # token modes: one weight; seq modes: one per token
-            def run(dt=dt, per_token=per_token):
-                lp, old, adv = (torch.randn(n, dtype=dt) for _ in range(3))
-                mask = torch.ones(n, dtype=torch.bool)
-                w = torch.ones(n if per_token else 1, dtype=torch.float64)
-                _impls["policy_loss_sums"]["triton"](lp, old, adv, mask, w, 0.2, 0.28, 3.0)
-                _impls["policy_loss_grad"]["triton"](torch.ones(()), lp, old, adv, mask, w, 0.2, 0.28, 3.0)
-            yield Case("policy_loss", _name(dt), f"weights [{'N' if per_token else '1'}]", run)
-
-
-def _group_filter(score_dtypes, group_sizes, index_dtypes, length_dtypes) -> Iterator[Case]:
-    import torch
-    from dapo_kernels._registry import _impls
-    gf = _impls["group_filter"]["triton"]
-    for dt in score_dtypes:
-        for gs in group_sizes:  # contiguous groups: the [groups, members] tile's shape follows gs
-            def contig(dt=dt, gs=gs):
-                for norm in (True, False):
-                    gf(torch.randn(64 * gs, dtype=dt), torch.empty(0, dtype=torch.int64), 64, gs, 1e-6, norm, 0.0)
-            yield Case("group_filter", _name(dt), f"group_size={gs}", contig)
-        for it in index_dtypes:  # arbitrary group_index: the three atomics kernels
-            def indexed(dt=dt, it=it):
-                for norm in (True, False):
-                    gf(torch.randn(2048, dtype=dt), torch.randint(0, 64, (2048,), dtype=it), 64, 0, 1e-6, norm, 0.0)
-            yield Case("group_filter", _name(dt), f"group_index {_name(it)}", indexed)
-    for dt in length_dtypes:
-        def overlong(dt=dt):
-            _impls["overlong_penalty"]["triton"](torch.arange(2048).to(dt), 96.0, 32.0, 1.0)
-        yield Case("overlong_penalty", _name(dt), "lengths", overlong)
-
-
-def _packing(dtypes, widths) -> Iterator[Case]:
-    import torch
-    from dapo_kernels._registry import _impls
-    for dt in dtypes:
-        for F in widths:  # the feature tile is min(next_pow2(F), 2048) wide
-            def run(dt=dt, F=F):
-                x, idx = torch.zeros(256, F, dtype=dt), torch.arange(0, 256, 2)
-                _impls["index_rows"]["triton"](x, idx)
-                _impls["scatter_rows"]["triton"](x[:128], idx, 256)
-            yield Case("packing", _name(dt), f"F={F}", run)
-
-
-def cases(which: str) -> List[Case]:
-    """The launches of ``--set which``.
-
-    ``full``: every dtype each op accepts; attention at every supported head dim, causal and not.
-    ``test`` (the CPU test's budget): every kernel and every config the pruning keeps for the
-    inputs compiled; attention at every head dim once per dtype class, causal and non-causal
-    alternating (16-bit: bf16 D=16/64/128 causal, fp16 D=32/96/128 non-causal, bf16 D=256
-    non-causal; fp32: D=32/96/256 causal, D=16/64/128 non-causal), two head dims between the
-    rows (bf16 80, fp32 112) and two window + soft-capping instances; linear_log_probs in bf16 and
-    fp32; the elementwise kernels at one dtype each (their dtype changes only loads and stores),
-    group_filter at groups of 4 and 16 (the shapes that spilled before their fix).
-    """
-    import torch
-    f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-    ints = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
-    if which == "full":
-        return [*_attention([(dt, D, c) for dt in (f16, bf16, f32) for D in ATTN_HEAD_DIMS for c in (True, False)]
-                            + [(dt, D, True) for dt in (bf16, f32) for D in ODD_HEAD_DIMS]
-                            + [(dt, D, True, "local") for dt in (bf16, f32) for D in (64, 128, 256)]),
-                *_linear((f16, bf16, f32)),
-                *_policy_loss((f16, bf16, f32, f64)),
-                *_group_filter((f32, f64), GROUP_SIZES, (torch.int64, torch.int32), ints + [f32, f64]),
-                *_group_filter((f16, bf16), (16,), (torch.int64, torch.int32), ()),
-                *_packing((torch.bool, *ints, f16, bf16, f32, f64), (64, 4096))]
-    if which == "test":
-        return [*_attention([(bf16, 16, True), (f16, 32, False), (bf16, 64, True), (f16, 96, False),
-                             (bf16, 128, True), (f16, 128, False), (bf16, 256, False),
-                             (f32, 16, False), (f32, 32, True), (f32, 64, False), (f32, 96, True),
-                             (f32, 128, False), (f32, 256, True), (bf16, 80, True), (f32, 112, False),
-                             (bf16, 128, True, "local"), (f32, 64, False, "local")]),
-                *_linear((bf16, f32)),
-                *_policy_loss((bf16,)),
-                *_group_filter((f64,), (4, 16), (torch.int32,), (torch.int64,)),
-                *_packing((f64,), (4096,))]
-    raise ValueError(f"unknown set {which!r}")
+_F64_MMA = ("fp32 backward: dP summed in fp64 (see the spills entry); fp64 has no wgmma, mma.sync m8n8k4.f64 "
+            "is Hopper's only fp64 tensor-core instruction")
+_ISSUE31 = "issue 31 (Hopper retiling) removes it: "
+# The one table of known rule breaks. tests/test_aot_compile.py fails on any other break, and on an
+# entry that no longer happens for inputs the test set compiles (then delete it).
+_FWD, _DKDV, _DQ = ("_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel",
+                     "_varlen_attention_bwd_dq_kernel")
+_NARROW = ("narrow wgmma",)
+_NOT_WGMMA = ("no wgmma", "mma.sync")
+EXCEPTIONS: Tuple[Allowed, ...] = (
+    Allowed(_DKDV, 90, B16, _NARROW, "issue 31: 64 keys x 16 queries at 8 warps gives N=8 per warpgroup",
+            dots=("b_st", "b_dpt"), rows=(64, 96, 128)),
+    Allowed(_DKDV, 90, B16, _NARROW, _ISSUE31 + "128 keys x 32 queries (the spill-free tiles at D <= 32) "
+            "give S^T and dP^T N=32 per warpgroup", dots=("b_st", "b_dpt"), rows=(16, 32)),
+    Allowed(_DKDV, 90, B16, _NARROW, "dV += P^T dO and dK += dS^T Q have N = the head dim: below 64 at "
+            "D <= 32, and D = 64 split over 8 warps' 2 warpgroups gives 32", dots=("b_dv", "b_dk"),
+            rows=(16, 32, 64)),
+    Allowed(_DKDV, 90, B16, _NARROW + _NOT_WGMMA, _ISSUE31 + "atomic dQ = dS K has M = the query block "
+            "(16-32 rows, under wgmma's 64 per warpgroup: mma.sync), and N = D / 2 = 8 at the 64-query D=16 "
+            "tile", dots=("b_dq",), rows=(16, 32, 64)),
+    Allowed(_DQ, 90, B16, _NARROW, _ISSUE31 + "dQ tiles of 32-64 keys split over the warpgroups give S and dP "
+            "N = 16-32 (the spill-free tiles at D >= 64; 32 keys at 4 warps for D <= 64)",
+            dots=("b_s", "b_dp"), rows=(32, 64, 96, 128)),
+    Allowed(_DQ, 90, B16, _NARROW, "dQ += dS K has N = the head dim: below 64 at D <= 32",
+            dots=("b_dq",), rows=(16, 32)),
+    Allowed(_FWD, 90, B16, _NARROW, "O += P V has N = the head dim: below 64 at D <= 32", dots=("b_pv",),
+            rows=(16, 32)),
+    Allowed(_FWD, 90, B16, _NARROW, _ISSUE31 + "at D = 256 the key block is 16-32 (32 x 256 K and V tiles "
+            "already take 132 KB of shared memory at 3 stages), so S = Q K^T has N = 8-16", dots=("b_s",),
+            rows=(256,)),
+    Allowed(_DKDV, 90, B16, _NOT_WGMMA, "every dK/dV tile with >= 64 rows (wgmma's minimum per warpgroup) "
+            "spills at D = 256 (32 rows spill too since the NaN masking); the spill-free 16-row tile runs "
+            "mma.sync", rows=(256,)),
+    Allowed(_DQ, 90, B16, _NOT_WGMMA, "the 64-row dQ tile spills at D = 256 (80-176 B, with the NaN masking "
+            "of the diagonal tile); the spill-free 32-row tile runs mma.sync", rows=(256,)),
+    *(Allowed(k, 90, ("float32",), ("mma.sync",), _F64_MMA, dots=("b_acc",)) for k in (_DKDV, _DQ)),
+    *(Allowed(k, arch, ("float32",), ("spills",), _F32_DP_SPILLS) for k in (_DKDV, _DQ) for arch in ARCHS),
+)
 
 
 # --------------------------------------------------------------------------- compiling
@@ -258,10 +157,28 @@ class Record:
     arch: int
     case: int = 0
     regs: int = 0
-    stack: int = 0
+    stack: int = 0  # bytes of stack frame = spilled registers (see the module docstring)
     smem: int = 0
-    mma: str = "-"
+    mma: str = "-"  # summary: wgmma / mma (mma.sync) / wgmma+mma / - (CUDA cores only)
     compile_s: float = 0.0
+    threads: int = 0
+    dots: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)  # aot_model.dot_shapes
+    mma_sync: int = 0  # mma.sync instructions in the PTX
+    blocks: int = 0  # resident blocks per SM (aot_model.occupancy)
+    limiter: str = ""  # what limits them
+    model: Optional[dict] = None  # aot_model.predict: the estimate at the reference problem
+    driver: Optional[dict] = None  # --driver on a GPU: the driver's n_regs / n_spills of the loaded cubin
+
+    @property
+    def head_dim(self) -> Optional[int]:
+        m = re.search(r"D=(\d+)", self.inputs)
+        return int(m.group(1)) if m else None
+
+    @property
+    def tile_row(self) -> Optional[int]:
+        """The _GPU_TILES row serving this head dim (the smallest tabled one at or above it)."""
+        d = self.head_dim
+        return None if d is None else next((t for t in ATTN_HEAD_DIMS if t >= d), None)
 
 
 _CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|num_warps|num_stages)$")
@@ -301,24 +218,46 @@ def _aot_mode(arch: int, on_compile):
         driver.set_active(orig_driver)
 
 
-def _resources(kernel) -> dict:
+def _cuobjdump() -> str:
     import triton
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    shipped = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return shipped if os.path.exists(shipped) else shutil.which("cuobjdump") or shipped
+
+
+def _resources(kernel, arch: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         pathlib.Path(cubin).write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True,
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin], capture_output=True, text=True,
                                check=True).stdout
         found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
         regs, stack, static_smem = (int(x) for x in found.groups())
-    ptx = kernel.asm["ptx"]
-    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma" if re.search(r"\bmma\.sync", ptx) else "-"
-    return dict(regs=regs, stack=stack, smem=kernel.metadata.shared + static_smem, mma=mma)
+    dots = aot_model.dot_shapes(kernel.asm["ptx"])
+    kinds = {k.split()[0] for shapes in dots.values() for k in shapes}
+    mma = "+".join(k for k in ("wgmma", "mma") if k in kinds) or "-"
+    smem = kernel.metadata.shared + static_smem
+    threads = 32 * kernel.metadata.num_warps * getattr(kernel.metadata, "num_ctas", 1)
+    blocks, limiter = aot_model.occupancy(regs, threads, smem, arch)
+    return dict(regs=regs, stack=stack, smem=smem, mma=mma, threads=threads, dots=dots,
+                mma_sync=aot_model.mma_sync_count(dots), blocks=blocks, limiter=limiter)
 
 
-def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None) -> List[Record]:
+def _driver_resources(drv, kernel) -> dict:
+    """The real driver's view of the cubin (a GPU of the compiled arch must be present)."""
+    try:
+        loaded = drv.utils.load_binary(kernel.name, kernel.asm["cubin"], kernel.metadata.shared,
+                                       drv.get_current_device())
+        return dict(n_regs=loaded[2], n_spills=loaded[3])
+    except Exception as e:  # a Triton whose load_binary differs: recorded, not fatal
+        return dict(error=f"{type(e).__name__}: {e}"[:200])
+
+
+def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None, driver_check=False) -> List[Record]:
     """Compile the ``(case number, case)`` pairs for ``sm_<arch>``; one Record per distinct compiled
-    kernel (a kernel two cases share, e.g. the delta preprocess of causal and non-causal, once)."""
+    kernel (a kernel two cases share, e.g. the delta preprocess of causal and non-causal, once).
+    ``driver_check``: also load each cubin with the real driver (on a GPU of that arch)."""
+    from triton.runtime import driver
+    real_driver = driver.active if driver_check else None
     records: List[Record] = []
     current: List[Tuple[int, Case]] = []
 
@@ -326,7 +265,12 @@ def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None) -> List
         i, case = current[0]
         cfg = " ".join(f"{k.replace('num_', '')}={v}" for k, v in kwargs.items() if _CONFIG_KEYS.match(k))
         rec = Record(name, cfg, case.op, case.dtype, case.inputs, arch, i, compile_s=round(seconds, 2),
-                     **_resources(kernel))
+                     **_resources(kernel, arch))
+        if arch == 90:  # the model is the H200's
+            rec.model = aot_model.predict(rec.kernel, rec.dtype, rec.inputs, rec.dots, rec.blocks, rec.threads // 32,
+                                          rec.config)
+        if real_driver is not None:
+            rec.driver = _driver_resources(real_driver, kernel)
         records.append(rec)
         if log:
             log(rec)
@@ -339,35 +283,80 @@ def compile_cases(arch: int, selected: List[Tuple[int, Case]], log=None) -> List
 
 
 def violations(rec: Record) -> List[str]:
-    """The rules every offered config must meet."""
+    """The rules every offered config must meet; each text is ``rule: detail`` (per dot: ``rule:
+    label ...``, label as aot_model.dot_shapes names it)."""
     out = []
     if rec.smem > SMEM_LIMIT[rec.arch]:
-        out.append(f"shared memory {rec.smem} B > {SMEM_LIMIT[rec.arch]} B")
+        out.append(f"shared memory: {rec.smem} B > {SMEM_LIMIT[rec.arch]} B")
     if rec.stack:
-        out.append(f"spills ({rec.stack} B of stack)")
-    if rec.arch == 90 and rec.kernel in MATMUL_KERNELS and rec.dtype != "float32" and rec.mma != "wgmma":
-        out.append(f"no wgmma (mma: {rec.mma})")
+        out.append(f"spills: {rec.stack} B of stack")
+    if rec.arch != 90:
+        return out
+    for label, shapes in rec.dots.items():
+        if rec.kernel in MATMUL_KERNELS and rec.dtype in B16:
+            ns = aot_model.wgmma_ns(shapes)
+            if not ns:
+                out.append(f"no wgmma: {label} ({', '.join(shapes)})")
+            elif min(ns) < MIN_WGMMA_N:
+                out.append(f"narrow wgmma: {label} n{min(ns)} < n{MIN_WGMMA_N}")
+        syncs = {k: n for k, n in shapes.items() if k.startswith("mma ")}
+        if syncs:
+            out.append(f"mma.sync: {label} ({', '.join(f'{k} x{n}' for k, n in syncs.items())})")
     return out
 
 
-def exception_of(rec: Record, violation: str) -> Optional[tuple]:
-    """The EXCEPTIONS key that documents this violation of ``rec``, if any."""
-    for key in EXCEPTIONS:
-        kernel, arch, dtypes, inputs, rule = key
-        if (rec.kernel, rec.arch) == (kernel, arch) and rec.dtype in dtypes and rec.inputs.startswith(inputs) \
-                and violation.startswith(rule):
-            return key
+def _applies(entry: Allowed, rec: Record) -> bool:
+    """``entry`` covers ``rec``'s kernel, arch, dtype and head dim."""
+    return ((rec.kernel, rec.arch) == (entry.kernel, entry.arch) and rec.dtype in entry.dtypes
+            and (not entry.rows or rec.tile_row in entry.rows))
+
+
+def exception_of(rec: Record, violation: str) -> Optional[Allowed]:
+    """The EXCEPTIONS entry that documents this violation of ``rec``, if any."""
+    rule, _, detail = violation.partition(": ")
+    dot = detail.split(":")[0]
+    for entry in EXCEPTIONS:
+        if _applies(entry, rec) and rule in entry.rules and (not entry.dots or dot in entry.dots):
+            return entry
     return None
+
+
+def due_exceptions(records: List[Record], arch: int) -> set:
+    """The EXCEPTIONS entries for ``sm_<arch>`` that some compiled record falls under (kernel, dtype,
+    head dim, and a dot they name): each must still be observed, else its entry is stale."""
+    return {e for e in EXCEPTIONS if e.arch == arch and any(
+        _applies(e, r) and (not e.dots or any(label.split(":")[0] in e.dots for label in r.dots)) for r in records)}
+
+
+def _dot_cell(shapes: Dict[str, int]) -> str:
+    """``n64 x16`` (wgmma N x count), ``sync m16n8k16 bf16 x8`` (mma.sync), ``fma x512``."""
+    return " ".join(f"{k.replace('wgmma ', '').replace('mma ', 'sync ')} x{n}" for k, n in shapes.items())
+
+
+def shapes_table(records: List[Record]) -> str:
+    """The instruction-shape table: one row per compiled matmul kernel config."""
+    lines = ["| kernel | config | arch | dtype | inputs | per dot: instruction x count | mma.sync | regs | "
+             "spills (B) | smem (B) | blocks/SM (limit) | predicted TFLOP/s (estimate) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r.kernel not in MATMUL_KERNELS:
+            continue
+        dots = "; ".join(f"{label.split(':')[0]} {_dot_cell(s)}" for label, s in r.dots.items()) or "-"
+        pred = f"{r.model['tflops']:.0f} ({r.model['fraction']:.2f}, {r.model['bound']})" if r.model else "-"
+        lines.append(f"| {r.kernel.replace('_varlen_attention_', 'attn_').replace('_linear_log_probs_', 'lm_')} | "
+                     f"{r.config or '-'} | sm_{r.arch} | {r.dtype} | {r.inputs} | {dots} | {r.mma_sync} | {r.regs} | "
+                     f"{r.stack} | {r.smem} | {r.blocks} ({r.limiter}) | {pred} |")
+    return "\n".join(lines)
 
 
 def markdown(records: List[Record]) -> str:
     lines = ["| kernel | config | op: dtype, inputs | arch | registers | shared memory (B) | "
-             "spills (stack B) | MMA | rule |", "|---|---|---|---|---|---|---|---|---|"]
+             "spills (stack B) | MMA | blocks/SM | rule |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         broken = violations(r)
         rule = "; ".join(("exception: " if exception_of(r, v) else "FAIL: ") + v for v in broken) or "ok"
         lines.append(f"| {r.kernel} | {r.config or '-'} | {r.op}: {r.dtype}, {r.inputs} | sm_{r.arch} | {r.regs} | "
-                     f"{r.smem} | {r.stack} | {r.mma} | {rule} |")
+                     f"{r.smem} | {r.stack} | {r.mma} | {r.blocks} ({r.limiter}) | {rule} |")
     return "\n".join(lines)
 
 
@@ -388,12 +377,19 @@ def summary(records: List[Record]) -> str:
     return "\n".join(lines)
 
 
-def _write(records: List[Record], args) -> None:
+def _write(records: List[Record], args) -> int:
     records.sort(key=lambda r: (ARCHS.index(r.arch), r.case))  # stable: compile order within a case
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in records]))
     if args.markdown:
-        pathlib.Path(args.markdown).write_text(summary(records) + "\n\n" + markdown(records) + "\n")
+        pathlib.Path(args.markdown).write_text("\n\n".join([
+            summary(records), "Instruction shapes, occupancy and the model's estimate (aot_model):",
+            shapes_table(records), aot_model.summarize(records), markdown(records)]) + "\n")
+    unexpected = [f"{r.kernel} [{r.config}] {r.dtype} {r.inputs} sm_{r.arch}: {v}"
+                  for r in records for v in violations(r) if not exception_of(r, v)]
+    print(shapes_table(records) + "\n\n" + aot_model.summarize(records))
+    print(f"rule breaks outside EXCEPTIONS: {len(unexpected)}", *unexpected, sep="\n")
+    return 1 if args.check and unexpected else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -405,6 +401,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--check", action="store_true", help="exit 1 on a rule break outside EXCEPTIONS")
+    ap.add_argument("--driver", action="store_true",
+                    help="on a GPU: also load each cubin and record the driver's n_regs / n_spills")
     args = ap.parse_args(argv)
     # Before dapo_kernels is imported: real (not interpreted) kernels, and the on-disk cache.
     os.environ.pop("TRITON_INTERPRET", None)
@@ -418,13 +417,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     selected = [(i, c) for i, c in enumerate(cases(args.set)) if not args.ops or c.op in args.ops][shard::shards]
     records = []
     for arch in args.arch:
-        records += compile_cases(arch, selected, log=lambda r: print(
+        records += compile_cases(arch, selected, driver_check=args.driver, log=lambda r: print(
             f"{r.kernel:36s} {r.config:40s} {r.dtype:8s} {r.inputs:18s} sm_{r.arch} regs={r.regs:3d} "
-            f"stack={r.stack} smem={r.smem} {r.mma} {r.compile_s}s {'; '.join(violations(r))}",
+            f"stack={r.stack} smem={r.smem} blocks={r.blocks} {r.mma} {r.compile_s}s {'; '.join(violations(r))}",
             file=sys.stderr, flush=True))
     print(f"compiled {len(records)} kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    _write(records, args)
-    return 0
+    return _write(records, args)
 
 
 def _run_jobs(args) -> int:
@@ -432,13 +430,13 @@ def _run_jobs(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen([sys.executable, __file__, "--set", args.set, "--arch", *map(str, args.arch),
                                    *(["--ops", *args.ops] if args.ops else []), "--shard", f"{i}/{args.jobs}",
-                                   "--json", f"{tmp}/{i}.json"]) for i in range(args.jobs)]
+                                   *(["--driver"] if args.driver else []), "--json", f"{tmp}/{i}.json"],
+                                  stdout=subprocess.DEVNULL) for i in range(args.jobs)]
         if any(p.wait() for p in procs):
             return 1
         records = [Record(**r) for i in range(args.jobs)
                    for r in json.loads(pathlib.Path(f"{tmp}/{i}.json").read_text())]
-    _write(records, args)
-    return 0
+    return _write(records, args)
 
 
 if __name__ == "__main__":

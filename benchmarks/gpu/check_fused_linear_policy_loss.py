@@ -7,9 +7,12 @@
   and the issue's log-prob error < 1e-3 nats.
 * Speed (N=16384, H=4096, V=151936 bf16, token-mean DAPO loss, forward + backward):
   the three bf16 matmuls alone (logits, dH, dW: 6*N*H*V FLOPs, the physical limit) vs dk
-  Triton, Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (if importable) and naive full fp32
-  logits + log_softmax + autograd; TFLOP/s and peak extra memory for each; for dk, the peak
-  beyond the returned dH / dW (the workspace; goal < 1 GB) beside ``workspace_bytes``' model.
+  Triton, Liger-Kernel's fused linear cross entropy (``LigerFusedLinearCrossEntropyLoss``: the
+  same three GEMM passes around a token-mean cross entropy instead of the DAPO loss, the lm_head
+  peer of issue 32), Liger's chunked ``LigerFusedLinearGRPOLoss`` and naive full fp32 logits +
+  log_softmax + autograd; TFLOP/s and peak extra memory for each (a peer that is not importable
+  gets a "not installed" row); for dk, the peak beyond the returned dH / dW (the workspace; goal
+  < 1 GB) beside ``workspace_bytes``' model.
 
 Budget: ~90 s (Triton compilation and the naive 10 GB logits included).
 """
@@ -111,6 +114,18 @@ def _step_naive(hidden, weight, labels, old, adv, mask):
     ((pg * mask).sum() / mask.sum()).backward()
 
 
+def _liger_flce_step():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    fn = LigerFusedLinearCrossEntropyLoss(reduction="mean")
+
+    def step(hidden, weight, labels, old, adv, mask):
+        out = fn(weight, hidden, labels.masked_fill(~mask, -100))  # masked tokens: ignore_index
+        (out[0] if isinstance(out, tuple) else out).backward()
+
+    return step
+
+
 def _liger_step():
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -151,10 +166,13 @@ def _speed(report):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     args = (h, w, labels, old, adv, mask)
     steps = [("dk triton", _step_dk)]
-    try:
-        steps.append(("liger (eager)", _liger_step()))
-    except Exception as e:
-        report.add("fused_loss", case, impl="liger", status="skip", note=f"{type(e).__name__}: {e}"[:120])
+    for impl, make in (("liger fused linear CE", _liger_flce_step), ("liger GRPO chunked (eager)", _liger_step)):
+        try:
+            steps.append((impl, make()))
+        except ImportError as e:  # a peer, not a dependency: its row says so
+            report.add("fused_loss", case, impl=impl, status="skip", note=f"liger-kernel not installed ({e})"[:120])
+        except Exception as e:
+            report.add("fused_loss", case, impl=impl, status="skip", note=f"{type(e).__name__}: {e}"[:120])
     steps.append(("naive fp32 logits", _step_naive))
     for impl, step in steps:
         try:

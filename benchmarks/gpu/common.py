@@ -1,6 +1,8 @@
 """Shared pieces of the GPU checks: the report table and CUDA timing."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -21,9 +23,15 @@ class Row:
 @dataclass
 class Report:
     rows: List[Row] = field(default_factory=list)
+    # Each row is also appended here as one JSON line when it is added: a check killed by its time
+    # limit (benchmarks/gpu/device_run.py) keeps the rows it reported.
+    jsonl: Optional[str] = None
 
     def add(self, op, case, *, impl="", ms=None, metric="", status="ok", note=""):
         self.rows.append(Row(op, case, impl, ms, metric, status, note))
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(self.rows[-1])) + "\n")
         print(f"   {op:14s} {case:28s} {impl:18s} {'' if ms is None else f'{ms:9.3f} ms'} {metric} {status} {note}",
               flush=True)
 

@@ -1,0 +1,181 @@
+"""The launches ``benchmarks/gpu/aot.py`` compiles: which kernels exist and how each op's real Triton
+launcher is called on small CPU tensors (see :func:`cases` for the two sets)."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+from typing import Callable, Dict, Iterator, List
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# The kernels' sources: every module under dapo_kernels/ops (packages included). The one place that
+# says where kernels live, with _launchers below.
+OPS_DIR = ROOT / "dapo_kernels" / "ops"
+ATTN_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the rows of varlen_attention's _GPU_TILES
+# Head dims between the rows (multiples of 8, masked columns): they compile to other kernels.
+ODD_HEAD_DIMS = (8, 40, 80, 112, 160, 200)
+# Contiguous group_filter: each power of two up to the widest tile (the kernel's tile shape), and
+# sizes that are not multiples of 16 (Triton specialises integer arguments on that).
+GROUP_SIZES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 3000, 4096)
+
+
+def jit_kernels() -> Dict[str, str]:
+    """``{kernel name: module path under dapo_kernels/ops}`` for every ``@triton.jit`` function that a
+    launcher starts with ``kernel[grid](...)`` (the other jit functions are inlined helpers)."""
+    found = {}
+    for path in sorted(OPS_DIR.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        jitted = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                  and any(ast.unparse(d).startswith("triton.jit") for d in f.decorator_list)}
+        launched = {n.func.value.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)}
+        found.update({name: str(path.relative_to(OPS_DIR)) for name in sorted(jitted & launched)})
+    return found
+
+
+def _launchers() -> Dict[str, Callable]:
+    """The Triton launchers the cases call (registered by importing dapo_kernels)."""
+    import dapo_kernels  # noqa: F401
+    from dapo_kernels._registry import _impls
+    from dapo_kernels.ops.linear_log_probs import grads_triton, stats_triton
+    names = ("varlen_attention_fwd", "varlen_attention_bwd", "policy_loss_sums", "policy_loss_grad",
+             "group_filter", "overlong_penalty", "index_rows", "scatter_rows")
+    return {**{n: _impls[n]["triton"] for n in names}, "linear_stats": stats_triton, "linear_grads": grads_triton}
+
+
+# --------------------------------------------------------------------------- launches
+@dataclasses.dataclass
+class Case:
+    """One call of registered Triton launchers on CPU tensors."""
+    op: str
+    dtype: str
+    inputs: str
+    call: Callable[[], object]
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _attention(specs) -> Iterator[Case]:
+    """``specs``: (dtype, head dim, causal[, variant]) tuples; forward and backward (delta, dK/dV
+    with and without atomic dQ, dQ). ``variant`` "local" adds a sliding window and soft-capping
+    (the LOCAL / SOFTCAP instances of every kernel); default "plain"."""
+    import torch
+    launch = _launchers()
+    T, Hq, Hkv = 256, 4, 2  # GROUP = 2: the GQA loop of the dK/dV kernel
+    for dt, D, causal, *variant in specs:
+        local = variant == ["local"]
+        masking = (48, -1 if causal else 16, 30.0) if local else (-1, -1, 0.0)  # window left/right, softcap
+
+        def run(dt=dt, D=D, causal=causal, masking=masking):
+            q = torch.randn(T, Hq, D, dtype=dt)
+            k, v = torch.randn(T, Hkv, D, dtype=dt), torch.randn(T, Hkv, D, dtype=dt)
+            cu = torch.tensor([0, 96, T], dtype=torch.int32)
+            out, lse = launch["varlen_attention_fwd"](q, k, v, cu, 160, causal, D ** -0.5, *masking)
+            for deterministic in (True, False):  # the dQ kernel; dQ by atomics in the dK/dV kernel
+                launch["varlen_attention_bwd"](torch.randn_like(q), q, k, v, out, lse, cu, 160, causal,
+                                                         D ** -0.5, *masking, deterministic)
+        yield Case("varlen_attention", _name(dt),
+                   f"D={D} {'causal' if causal else 'full'}{' window+softcap' if local else ''}", run)
+
+
+def _linear(dtypes) -> Iterator[Case]:
+    """Statistics (with and without entropy) and the dlogits recompute of the lm_head ops."""
+    import torch
+    launch = _launchers()
+    N, H, V = 128, 256, 512
+    for dt in dtypes:
+        def run(dt=dt):
+            h, w, lab = torch.randn(N, H, dtype=dt), torch.randn(V, H, dtype=dt), torch.randint(0, V, (N,))
+            for entropy in (False, True):
+                launch["linear_stats"](h, w, lab, 1.0, 0, entropy)
+            launch["linear_grads"](h, w, lab, 1.0, 0, torch.zeros(5, N, dtype=torch.float64), torch.ones(N),
+                                   torch.ones(N))
+        yield Case("linear_log_probs", _name(dt), "N=128 H=256 V=512", run)
+
+
+def _policy_loss(dtypes) -> Iterator[Case]:
+    import torch
+    launch = _launchers()
+    n = 2048
+    for dt in dtypes:
+        for per_token in (False, True):  # token modes: one weight; seq modes: one per token
+            def run(dt=dt, per_token=per_token):
+                lp, old, adv = (torch.randn(n, dtype=dt) for _ in range(3))
+                mask = torch.ones(n, dtype=torch.bool)
+                w = torch.ones(n if per_token else 1, dtype=torch.float64)
+                launch["policy_loss_sums"](lp, old, adv, mask, w, 0.2, 0.28, 3.0)
+                launch["policy_loss_grad"](torch.ones(()), lp, old, adv, mask, w, 0.2, 0.28, 3.0)
+            yield Case("policy_loss", _name(dt), f"weights [{'N' if per_token else '1'}]", run)
+
+
+def _group_filter(score_dtypes, group_sizes, index_dtypes, length_dtypes) -> Iterator[Case]:
+    import torch
+    launch = _launchers()
+    gf = launch["group_filter"]
+    for dt in score_dtypes:
+        for gs in group_sizes:  # contiguous groups: the [groups, members] tile's shape follows gs
+            def contig(dt=dt, gs=gs):
+                for norm in (True, False):
+                    gf(torch.randn(64 * gs, dtype=dt), torch.empty(0, dtype=torch.int64), 64, gs, 1e-6, norm, 0.0)
+            yield Case("group_filter", _name(dt), f"group_size={gs}", contig)
+        for it in index_dtypes:  # arbitrary group_index: the three atomics kernels
+            def indexed(dt=dt, it=it):
+                for norm in (True, False):
+                    gf(torch.randn(2048, dtype=dt), torch.randint(0, 64, (2048,), dtype=it), 64, 0, 1e-6, norm, 0.0)
+            yield Case("group_filter", _name(dt), f"group_index {_name(it)}", indexed)
+    for dt in length_dtypes:
+        def overlong(dt=dt):
+            launch["overlong_penalty"](torch.arange(2048).to(dt), 96.0, 32.0, 1.0)
+        yield Case("overlong_penalty", _name(dt), "lengths", overlong)
+
+
+def _packing(dtypes, widths) -> Iterator[Case]:
+    import torch
+    launch = _launchers()
+    for dt in dtypes:
+        for F in widths:  # the feature tile is min(next_pow2(F), 2048) wide
+            def run(dt=dt, F=F):
+                x, idx = torch.zeros(256, F, dtype=dt), torch.arange(0, 256, 2)
+                launch["index_rows"](x, idx)
+                launch["scatter_rows"](x[:128], idx, 256)
+            yield Case("packing", _name(dt), f"F={F}", run)
+
+
+def cases(which: str) -> List[Case]:
+    """The launches of ``--set which``.
+
+    ``full``: every dtype each op accepts; attention at every supported head dim, causal and not.
+    ``test`` (the CPU test's budget): every kernel and every config the pruning keeps for the
+    inputs compiled; attention at every head dim once per dtype class, causal and non-causal
+    alternating (16-bit: bf16 D=16/64/128 causal, fp16 D=32/96/128 non-causal, bf16 D=256
+    non-causal; fp32: D=32/96/256 causal, D=16/64/128 non-causal), two head dims between the
+    rows (bf16 80, fp32 112) and two window + soft-capping instances; linear_log_probs in bf16 and
+    fp32; the elementwise kernels at one dtype each (their dtype changes only loads and stores),
+    group_filter at groups of 4 and 16 (the shapes that spilled before their fix).
+    """
+    import torch
+    f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+    ints = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+    if which == "full":
+        return [*_attention([(dt, D, c) for dt in (f16, bf16, f32) for D in ATTN_HEAD_DIMS for c in (True, False)]
+                            + [(dt, D, True) for dt in (bf16, f32) for D in ODD_HEAD_DIMS]
+                            + [(dt, D, True, "local") for dt in (bf16, f32) for D in (64, 128, 256)]),
+                *_linear((f16, bf16, f32)),
+                *_policy_loss((f16, bf16, f32, f64)),
+                *_group_filter((f32, f64), GROUP_SIZES, (torch.int64, torch.int32), ints + [f32, f64]),
+                *_group_filter((f16, bf16), (16,), (torch.int64, torch.int32), ()),
+                *_packing((torch.bool, *ints, f16, bf16, f32, f64), (64, 4096))]
+    if which == "test":
+        return [*_attention([(bf16, 16, True), (f16, 32, False), (bf16, 64, True), (f16, 96, False),
+                             (bf16, 128, True), (f16, 128, False), (bf16, 256, False),
+                             (f32, 16, False), (f32, 32, True), (f32, 64, False), (f32, 96, True),
+                             (f32, 128, False), (f32, 256, True), (bf16, 80, True), (f32, 112, False),
+                             (bf16, 128, True, "local"), (f32, 64, False, "local")]),
+                *_linear((bf16, f32)),
+                *_policy_loss((bf16,)),
+                *_group_filter((f64,), (4, 16), (torch.int32,), (torch.int64,)),
+                *_packing((f64,), (4096,))]
+    raise ValueError(f"unknown set {which!r}")

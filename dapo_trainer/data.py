@@ -8,7 +8,6 @@ through the ``tokenizers`` library (no ``transformers`` needed).
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 

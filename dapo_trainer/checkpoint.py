@@ -424,11 +424,8 @@ def check_checkpoint_dir(path: str, key: str) -> None:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"{key} must be a directory path, got {path!r}")
     p = os.path.abspath(os.fspath(path))
-    while not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
+    while not os.path.exists(p) and os.path.dirname(p) != p:  # up to the nearest existing part
+        p = os.path.dirname(p)
     if not os.path.isdir(p):
         raise ValueError(f"{key}: {p!r} is a file; checkpoints are written to the directory "
                          f"{os.fspath(path)!r} (pick another path or remove the file)")

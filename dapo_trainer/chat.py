@@ -61,16 +61,41 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+def _text(content, where: str) -> str:
+    """A message's content as text: a str, or a list of ``{"type": "text", "text": str}`` parts
+    (verl / transformers' form) concatenated, as multimodal chat templates render them."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where} must be a str or a list of {{'type': 'text', 'text': str}} parts, "
+                         f"got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") not in (None, "text"):
+            raise ValueError(f"{where}[{j}] is a {part.get('type')!r} part: only text parts are supported")
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}] must be a {{'type': 'text', 'text': str}} part, got {part!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def check_messages(messages, where: str = "messages") -> List[Dict[str, str]]:
-    """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or a ValueError naming ``where``."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+    """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or a ValueError naming
+    ``where`` and the message. A content that is a list of text parts becomes their concatenated text;
+    any other part (an image, ...) or content (None, a number) is an error, never its ``str()``."""
+    if isinstance(messages, (list, tuple)) and not messages:
+        raise ValueError(f"{where} is an empty message list; a chat prompt needs at least one message")
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"{where} must be a non-empty list of {{'role', 'content'}} messages, "
                          f"got {type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}[{i}] must be a {{'role': str, 'content': str}} message, got {m!r}")
-        out.append(dict(m))
+        if not isinstance(m, Mapping) or "content" not in m:
+            raise ValueError(f"{where}[{i}] must be a {{'role', 'content'}} message, got {type(m).__name__}"
+                             + (f" with keys {sorted(m)}" if isinstance(m, Mapping) else ""))
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}[{i}]['role'] must be a str, got {type(m.get('role')).__name__}")
+        out.append({**m, "content": _text(m["content"], f"{where}[{i}]['content']")})
     return out
 
 

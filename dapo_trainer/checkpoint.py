@@ -401,6 +401,38 @@ def _restore_dtensors(optimizer, optim_state: dict) -> None:
                                               shape=p.shape, stride=p.stride())
 
 
+def _check_state_step(ckpt_dir: str, path: str, state: dict) -> None:
+    """The state's step is its directory's ``global_step_N`` (or, under another name, its manifest's):
+    a mismatch would resume the weights of one step with the schedule and data cursor of another."""
+    name = os.path.basename(os.path.normpath(ckpt_dir))
+    m = _STEP_DIR.match(name)
+    if m:
+        want, source = int(m.group(1)), f"its directory {name}"
+    elif os.path.isfile(os.path.join(ckpt_dir, MANIFEST)):
+        want, source = int(_read_manifest(ckpt_dir)["step"]), os.path.join(ckpt_dir, MANIFEST)
+    else:
+        return
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step != want:
+        raise ValueError(f"{path} holds step {step!r}, but {source} says step {want}: the checkpoint's files "
+                         "are from different saves; resume from an untouched checkpoint directory")
+
+
+def check_checkpoint_dir(path: str, key: str) -> None:
+    """Start-up check that checkpoints can be written under ``path`` (named ``key`` in errors): no
+    existing part of it is a file, and the nearest existing directory is writable."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"{key} must be a directory path, got {path!r}")
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.exists(p) and os.path.dirname(p) != p:  # up to the nearest existing part
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ValueError(f"{key}: {p!r} is a file; checkpoints are written to the directory "
+                         f"{os.fspath(path)!r} (pick another path or remove the file)")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}: the directory {p!r} is not writable; checkpoints go to {os.fspath(path)!r}")
+
+
 def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:
     """Restore optimiser, schedule and RNG of this rank from ``ckpt_dir``; return its trainer state.
 
@@ -414,6 +446,7 @@ def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:
                          f"processes, this run has {world} (no state for rank {rank}); resume with the same number")
     optim = load_state_file(os.path.join(ckpt_dir, f"optim_rank{rank}.safetensors"))
     state = load_state_file(path)
+    _check_state_step(ckpt_dir, path, state)
     _restore_dtensors(optimizer, optim["optimizer"])
     optimizer.load_state_dict(optim["optimizer"])
     scheduler.load_state_dict(optim["scheduler"])

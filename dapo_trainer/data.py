@@ -8,49 +8,55 @@ through the ``tokenizers`` library (no ``transformers`` needed).
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from . import readers
 
 DEFAULT_DATA_SOURCE = "unknown"
 
 
 # --------------------------------------------------------------------------- rows
-def _read_records(path: str) -> List[dict]:
+def _read_records(path: str) -> List[Tuple[str, object]]:
+    """``[(where, row)]`` of a .jsonl / .json / .parquet file, ``where`` naming the file, row (and
+    line); a ValueError naming the file (and line) when it cannot be read."""
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path!r} is a directory; data.train_files / data.val_files name "
+                         ".jsonl, .json or .parquet files")
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist")
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        with open(path) as f:
-            if path.endswith(".json"):
-                data = json.load(f)
-                if not isinstance(data, list):
-                    raise ValueError(f"{path}: a .json data file must hold a list of rows")
-                return data
-            out = []
-            for i, line in enumerate(f):
-                if line.strip():
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i + 1}: not valid JSON ({e})") from None
-            return out
+    if path.endswith(".jsonl"):
+        return [(f"{path}:{n} (row {i})", rec) for i, (n, rec) in enumerate(readers.read_jsonl(path))]
+    if path.endswith(".json"):
+        data = readers.read_json(path)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json data file must hold a list of rows")
+        return [(f"{path} row {i}", rec) for i, rec in enumerate(data)]
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            data = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) need not name the file
+            raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        return [(f"{path} row {i}", rec) for i, rec in enumerate(data)]
     raise ValueError(f"data file {path!r}: expected a .jsonl, .json or .parquet file")
 
 
 def _prompt(prompt, where: str):
-    """A str prompt as is; a chat-style prompt as a list of ``{"role", "content"}`` dicts."""
+    """A str prompt as is; a chat-style prompt as a list of ``{"role", "content"}`` dicts
+    (:func:`dapo_trainer.chat.check_messages`; a message without a role is a user message)."""
+    from .chat import check_messages
+
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
-        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in prompt]
-    raise ValueError(f"{where}: prompt must be a str or a list of {{'role', 'content'}} messages, "
-                     f"got {type(prompt).__name__}")
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"{where}: prompt must be a str or a list of {{'role', 'content'}} messages, "
+                         f"got {type(prompt).__name__}")
+    msgs = [{"role": "user", **m} if isinstance(m, dict) and "role" not in m else m for m in prompt]
+    return [{"role": m["role"], "content": m["content"]} for m in check_messages(msgs, f"{where}: prompt")]
 
 
 def _ground_truth(rec: dict, where: str) -> str:
@@ -87,8 +93,7 @@ def load_rows(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> L
         raise ValueError(f"files must name at least one .jsonl / .parquet file, got {files!r}")
     rows = []
     for path in files:
-        for i, rec in enumerate(_read_records(path)):
-            where = f"{path} row {i}"
+        for where, rec in _read_records(path):
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
             if prompt_key not in rec:
@@ -114,10 +119,7 @@ def apply_template(prompt: str, template: str = "{prompt}") -> str:
 
 # --------------------------------------------------------------------------- tokenizer
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return readers.read_json(path) if os.path.isfile(path) else {}
 
 
 class Tokenizer:

@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from .model import ROPE_TYPES, ModelConfig, Transformer
+from .readers import read_json
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 CONFIG_NAME = "config.json"
@@ -22,10 +23,12 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 # Buffers some older checkpoints saved alongside the weights; recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Sizes that may be absent from config.json (defaults below) but, when given, are ints >= 1.
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 # --------------------------------------------------------------------------- config
-def _rope_from_hf(cfg: dict) -> tuple:
+def _rope_from_hf(cfg: dict, source: str = "config.json") -> tuple:
     """(rope_theta, rope_scaling or None) from either config dialect."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and params:
@@ -33,7 +36,7 @@ def _rope_from_hf(cfg: dict) -> tuple:
             # Per-layer-type rope (transformers 5); the families here use one for all layers.
             distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
             if len(distinct) != 1:
-                raise ValueError(f"config.json: rope_parameters differ between layer types {sorted(params)}; "
+                raise ValueError(f"{source}: rope_parameters differ between layer types {sorted(params)}; "
                                  "only one rope for all layers is supported")
             params = next(iter(params.values()))
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -50,42 +53,47 @@ def _rope_from_hf(cfg: dict) -> tuple:
             scaling = {"rope_type": "default"}
     kind = scaling["rope_type"]
     if kind not in ROPE_TYPES:
-        raise ValueError(f"config.json: rope type {kind!r} is not supported (supported: {ROPE_TYPES})")
+        raise ValueError(f"{source}: rope type {kind!r} is not supported (supported: {ROPE_TYPES})")
     need = {"linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     missing = [k for k in need.get(kind, ()) if k not in scaling]
     if missing:
-        raise ValueError(f"config.json: rope type {kind!r} needs {missing} in its rope parameters")
+        raise ValueError(f"{source}: rope type {kind!r} needs {missing} in its rope parameters")
     return float(theta), (None if kind == "default" else scaling)
 
 
-def config_from_hf(cfg: dict) -> ModelConfig:
+def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     """:class:`ModelConfig` from a parsed ``config.json`` dict (Llama or Qwen2).
 
-    Raises ValueError naming the architecture or field that is unsupported or missing.
+    Raises ValueError naming ``source`` (the file) and the architecture or field that is unsupported,
+    missing or of the wrong type (sizes must be ints >= 1).
     """
     if not isinstance(cfg, dict):
         raise TypeError(f"cfg must be a dict (parsed config.json), got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported; "
+        raise ValueError(f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
                          f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
     unsupported = [a for a in archs if a != SUPPORTED_MODEL_TYPES[model_type]]
     if unsupported:
-        raise ValueError(f"config.json: architectures {unsupported} are not supported; "
+        raise ValueError(f"{source}: architectures {unsupported} are not supported; "
                          f"expected {SUPPORTED_MODEL_TYPES[model_type]!r} for model_type {model_type!r}")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if cfg.get(k) is None]
     if missing:
-        raise ValueError(f"config.json: missing required field(s) {missing}")
+        raise ValueError(f"{source}: missing required field(s) {missing}")
+    for k in required + _OPTIONAL_SIZES:
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{source}: {k} must be an int >= 1, got {type(v).__name__} {v!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
     if model_type == "qwen2" and cfg.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported (full attention only)")
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
     heads = cfg["num_attention_heads"]
-    theta, scaling = _rope_from_hf(cfg)
+    theta, scaling = _rope_from_hf(cfg, source)
     if model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias = True, False, False
     else:
@@ -153,8 +161,10 @@ def read_hf_config(path: str) -> ModelConfig:
     file = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} has no {CONFIG_NAME}")
-    with open(file) as f:
-        return config_from_hf(json.load(f))
+    cfg = read_json(file)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
+    return config_from_hf(cfg, file)
 
 
 # --------------------------------------------------------------------------- weights
@@ -170,12 +180,21 @@ def _our_name(name: str) -> str:
 def _weight_files(path: str) -> list:
     index = os.path.join(path, SAFE_INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: expected a 'weight_map' object of weight name -> file name")
         return sorted(set(weight_map.values()))
     if os.path.isfile(os.path.join(path, SAFE_WEIGHTS_NAME)):
         return [SAFE_WEIGHTS_NAME]
     raise ValueError(f"{path!r} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_INDEX_NAME}")
+
+
+def _safetensor_error() -> type:
+    """safetensors' error type (exported by recent versions; ``Exception`` otherwise)."""
+    import safetensors
+
+    return getattr(safetensors, "SafetensorError", Exception)
 
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
@@ -200,15 +219,19 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu") -
     state: Dict[str, torch.Tensor] = {}
     unexpected = []
     for file in _weight_files(path):
-        with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _our_name(key)
-                if key.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                    continue
-                if name not in expected:
-                    unexpected.append(key)
-                    continue
-                state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+        full = os.path.join(path, file)
+        try:
+            with safe_open(full, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _our_name(key)
+                    if key.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue
+                    if name not in expected:
+                        unexpected.append(key)
+                        continue
+                    state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+        except (OSError, _safetensor_error()) as e:
+            raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     missing = [hf_name(n) for n in expected if n not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing {len(missing)} weight(s): {missing[:8]}"

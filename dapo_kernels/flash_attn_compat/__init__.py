@@ -13,6 +13,8 @@ Differences from flash-attn, each a clear error rather than a silent change:
   ``torch._assert_async``), ``k`` / ``v`` the same tokens as ``q``;
 * ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` (paged KV) raise ``NotImplementedError``;
 * ``window_size`` entries are -1 or >= 0 (flash-attn reads any negative number as unbounded);
+  ``window_size`` may be a tensor of two integers, as flash-attn's own tests pass one
+  (``torch.randint``): its values are read to the host once per call (a sync for a device tensor);
 * ``deterministic`` is passed on: ``False`` (the default, as flash-attn) adds dQ with atomics in
   the Triton backward, ``True`` runs the bitwise-reproducible dQ kernel.
 """
@@ -31,6 +33,17 @@ __all__ = ["flash_attn_varlen_func", "bert_padding"]
 
 def _unsupported(name: str, why: str):
     return NotImplementedError(f"dapo_kernels.flash_attn_compat: {name} is not supported ({why})")
+
+
+def _host_window(window_size):
+    """``window_size`` as given, or the ``(left, right)`` ints of a 2-element integer tensor (one read)."""
+    if not isinstance(window_size, torch.Tensor):
+        return window_size
+    if tuple(window_size.shape) != (2,) or window_size.is_floating_point() or window_size.is_complex() \
+            or window_size.dtype == torch.bool:
+        raise ValueError("window_size as a tensor must hold 2 integers (left, right), got "
+                         f"{window_size.dtype} of shape {list(window_size.shape)}")
+    return tuple(int(x) for x in window_size.tolist())
 
 
 def flash_attn_varlen_func(
@@ -55,8 +68,9 @@ def flash_attn_varlen_func(
 
     ``q [T, Hq, D]``, ``k`` / ``v`` ``[T, Hkv, D]`` (GQA), ``cu_seqlens_q`` = ``cu_seqlens_k`` int32
     ``[B+1]``, ``max_seqlen_*`` upper bounds; ``softmax_scale`` default ``1/sqrt(D)``; ``window_size``
-    ``(left, right)`` sliding window (-1 = unbounded); ``softcap > 0`` soft-caps the scores. Returns
-    ``out [T, Hq, D]``, or ``(out, softmax_lse fp32 [Hq, T], None)`` with ``return_attn_probs``.
+    ``(left, right)`` sliding window (-1 = unbounded; a tuple or a 2-element integer tensor);
+    ``softcap > 0`` soft-caps the scores. Returns ``out [T, Hq, D]``, or ``(out, softmax_lse fp32 [Hq, T],
+    None)`` with ``return_attn_probs``.
     """
     if check_float("dropout_p", dropout_p, valid=lambda p: 0.0 <= p <= 1.0, expected="in [0, 1]") > 0:
         raise _unsupported("dropout_p > 0", "attention dropout is not implemented; pass 0.0")
@@ -72,6 +86,7 @@ def flash_attn_varlen_func(
             raise _unsupported("cross-attention (k / v tokens != q tokens)", "self-attention of one packing only")
         torch._assert_async((cu_seqlens_k == cu_seqlens_q).all(),
                             "cu_seqlens_k must equal cu_seqlens_q (self-attention of one packing only)")
+    window_size = _host_window(window_size)
     max_seqlen = max(check_int("max_seqlen_q", max_seqlen_q, minimum=0),
                      check_int("max_seqlen_k", max_seqlen_k, minimum=0))
     result = varlen_attention(q, k, v, cu_seqlens_q, max_seqlen, causal=causal, softmax_scale=softmax_scale,

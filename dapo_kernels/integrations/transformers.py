@@ -179,6 +179,11 @@ def _dapo_forward(self, input_ids=None, attention_mask=None, position_ids=None, 
             raise ValueError("the policy loss needs labels (the tokens scored, aligned with input_ids)")
         return self._dapo_original_forward(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
+    check_tensor("labels", labels, ndim=2)
+    for name, t in (("advantages", advantages), ("old_log_prob", old_log_prob), ("response_mask", response_mask),
+                    ("ref_log_prob", ref_log_prob)):  # checked before the model runs: one token each
+        if t is not None and check_tensor(name, t).shape != labels.shape:
+            raise ValueError(f"{name} must have shape {list(labels.shape)} (the labels'), got {list(t.shape)}")
     out = getattr(self, self.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
                                                 position_ids=position_ids, **kwargs)
     hidden = out.last_hidden_state
@@ -235,8 +240,13 @@ def apply_dapo_kernels(model: torch.nn.Module, *, attention: bool = True) -> tor
     is never scored: nothing before it in its sequence predicts it. Without ``labels`` the model's
     own forward runs (logits, generation). ``attention``: also switch the model to
     ``attn_implementation="dapo_varlen"``. Returns the model. An lm_head with a bias, or final-logit
-    soft-capping (Gemma 2), raises ``NotImplementedError``.
+    soft-capping (Gemma 2), raises ``NotImplementedError``; a ``model`` that is not a transformers causal
+    LM a ``TypeError``; per-token tensors not shaped like ``labels`` a ``ValueError`` naming them.
     """
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "get_output_embeddings", None)) \
+            or not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
+        raise TypeError("apply_dapo_kernels: model must be a transformers causal LM (a PreTrainedModel with an "
+                        f"lm_head, e.g. from AutoModelForCausalLM), got {type(model).__name__}")
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         raise NotImplementedError("apply_dapo_kernels needs an lm_head without bias")

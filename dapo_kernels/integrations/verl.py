@@ -207,6 +207,30 @@ PATCHES = tuple((module, name, sys.modules[__name__] if holder is None else hold
 ))
 
 
+def _import_verl():
+    """verl's modules that :func:`apply` patches (its ``core_algos`` returned); a missing package is an
+    ImportError naming it and how to install it (verl's own import of ray fails with a bare one)."""
+    import importlib
+    import importlib.util
+
+    try:
+        core_algos = importlib.import_module("verl.trainer.ppo.core_algos")
+        importlib.import_module("verl.utils.seqlen_balancing")
+        importlib.import_module("verl.utils.attention_utils")
+    except ModuleNotFoundError as e:
+        name = e.name or ""
+        if name == "verl" or (name.startswith("verl.") and importlib.util.find_spec("verl") is None):
+            raise ImportError("dapo_kernels.integrations.verl.apply() needs verl (0.9.x), which is not installed: "
+                              "pip install verl", name="verl") from e
+        if name.startswith("verl."):
+            raise ImportError(f"dapo_kernels.integrations.verl.apply() patches verl 0.9.x; this verl has no module "
+                              f"{name}", name=name) from e
+        top = name.split(".")[0]
+        raise ImportError(f"dapo_kernels.integrations.verl.apply(): verl needs {top}, which is not installed "
+                          f"(verl imports it: {e}): pip install {top}", name=top) from e
+    return core_algos
+
+
 def apply() -> None:
     """Patch the imported verl (0.9.x) in place: the "vanilla" policy loss (and a new
     ``"dapo_kernels"`` entry) and the "grpo" advantage estimator in verl's registries,
@@ -214,11 +238,7 @@ def apply() -> None:
     ``verl.utils.attention_utils``' remove-padding helpers. Idempotent; :func:`revert` undoes it."""
     if _REGISTRY_ORIGINALS:
         return
-    import importlib
-
-    core_algos = importlib.import_module("verl.trainer.ppo.core_algos")
-    importlib.import_module("verl.utils.seqlen_balancing")
-    importlib.import_module("verl.utils.attention_utils")
+    core_algos = _import_verl()
     for reg, key, new in ((core_algos.POLICY_LOSS_REGISTRY, "vanilla", compute_policy_loss_vanilla),
                           (core_algos.POLICY_LOSS_REGISTRY, POLICY_LOSS_NAME, compute_policy_loss_vanilla),
                           (core_algos.ADV_ESTIMATOR_REGISTRY, "grpo", compute_grpo_outcome_advantage)):

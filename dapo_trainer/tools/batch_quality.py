@@ -24,6 +24,8 @@ import os
 from collections import Counter, defaultdict
 from typing import Dict, List, Sequence
 
+from ..readers import read_jsonl
+
 # Flag thresholds (the rule texts below quote them).
 NGRAM_N = 4  # tokens per n-gram
 NGRAM_REPEATS = 3  # occurrences of one n-gram that flag a response
@@ -61,6 +63,22 @@ def write_step(rollout_dir: str, step: int, rows: List[dict]) -> str:
     return path
 
 
+# What the analysis reads of every row: name -> (types, what it is).
+_ROW_FIELDS = {"step": ((int,), "an int"), "group": ((int,), "an int"), "response_length": ((int,), "an int"),
+               "reward": ((int, float), "a number")}
+
+
+def _check_row(row, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a rollout row must be a JSON object, got {type(row).__name__}")
+    for key, (types, what) in _ROW_FIELDS.items():
+        if key not in row:
+            raise ValueError(f"{where}: the rollout row has no {key!r} (rows need {sorted(_ROW_FIELDS)})")
+        v = row[key]
+        if isinstance(v, bool) or not isinstance(v, types):
+            raise ValueError(f"{where}: {key!r} must be {what}, got {type(v).__name__} {v!r}")
+
+
 def load_rollouts(rollout_dir: str) -> List[dict]:
     """Every dumped row of ``rollout_dir``, ordered by step (files named ``{step}.jsonl``)."""
     if not os.path.isdir(rollout_dir):
@@ -69,8 +87,9 @@ def load_rollouts(rollout_dir: str) -> List[dict]:
              if os.path.basename(p)[:-len(".jsonl")].isdigit()]
     rows = []
     for p in sorted(files, key=lambda p: int(os.path.basename(p)[:-len(".jsonl")])):
-        with open(p) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
+        for n, row in read_jsonl(p):
+            _check_row(row, f"{p}:{n}")
+            rows.append(row)
     if not rows:
         raise ValueError(f"rollout directory {rollout_dir!r} holds no {{step}}.jsonl rows")
     return rows

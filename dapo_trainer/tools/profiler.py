@@ -31,6 +31,8 @@ import time
 from collections import defaultdict
 from typing import List, Optional
 
+from . import _cli
+
 __all__ = ["run_profile", "findings", "write_html", "cli", "main"]
 
 # Thresholds of the findings (quoted in their text).
@@ -300,16 +302,15 @@ def cli(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--out", default=None, help="output directory (default trainer.default_local_dir/profile)")
     ap.add_argument("--no-trace", action="store_true", help="no torch.profiler trace of a step on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (the demo uses 1)")
+    _cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        p = run_profile(cfg, steps=args.steps, duration=args.duration, out_dir=args.out, trace=not args.no_trace)
-    except ValueError as e:
-        sys.exit(f"dapo-profile: {e}")
+    cfg = _cli.run("dapo-profile", args.debug, load_config, args.config, args.overrides)
+    p = _cli.run("dapo-profile", args.debug, run_profile, cfg, steps=args.steps, duration=args.duration,
+                 out_dir=args.out, trace=not args.no_trace)
     out = args.out or os.path.join(cfg.trainer.default_local_dir, "profile")  # (run_profile keeps it)
     print(f"profile: {os.path.join(out, 'profile.json')} and profile.html ({p['steps']} steps, "
           f"{p['step_s_mean']:.2f} s per step)")

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["load_metrics", "write_report", "ablation_summary", "ablation_table", "main"]
+from ..readers import read_json, read_jsonl, read_text
+from . import _cli
+
+__all__ = ["load_metrics", "val_decoding", "write_report", "ablation_summary", "ablation_table", "main"]
 
 
 def load_metrics(run_dir: str) -> List[dict]:
@@ -36,23 +38,39 @@ def load_metrics(run_dir: str) -> List[dict]:
     if not os.path.isfile(path):
         raise ValueError(f"RUN_DIR {run_dir!r} has no metrics.jsonl")
     by_step: Dict[int, dict] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                # A run killed mid-write leaves a partial last line; anything else is corrupt.
-                if n == sum(1 for _ in open(path)):
-                    continue
-                raise ValueError(f"{path}:{n} is not JSON: {e}") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise ValueError(f"{path}:{n} has no 'step'")
-            by_step.setdefault(int(row["step"]), {}).update(row)
+    # A run killed mid-write leaves a partial last line; any other line that is not JSON is corrupt.
+    for n, row in read_jsonl(path, skip_partial_last=True):
+        if not isinstance(row, dict) or "step" not in row:
+            raise ValueError(f"{path}:{n} has no 'step'")
+        step = row["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{path}:{n}: 'step' must be an int >= 0, got {type(step).__name__} {step!r}")
+        by_step.setdefault(step, {}).update(row)
     if not by_step:
         raise ValueError(f"{path} holds no metrics")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def val_decoding(run_dir: str, rows: Sequence[dict]) -> Optional[str]:
+    """How the held-out responses were decoded: "greedy" (``val_kwargs.temperature`` 0), "sampled at
+    temperature T", or None when the run says nothing about it. Read from the last ``val/temperature``
+    the run logged, else from ``RUN_DIR/config.yaml`` (the trainer's config dump)."""
+    temps = [r["val/temperature"] for r in rows if isinstance(r.get("val/temperature"), (int, float))]
+    t = temps[-1] if temps else None
+    path = os.path.join(run_dir, "config.yaml")
+    if t is None and os.path.isfile(path):
+        import yaml
+
+        try:
+            cfg = yaml.safe_load(read_text(path))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+        for key in ("actor_rollout_ref", "rollout", "val_kwargs", "temperature"):
+            cfg = cfg.get(key) if isinstance(cfg, dict) else None
+        t = cfg if isinstance(cfg, (int, float)) and not isinstance(cfg, bool) else None
+    if t is None:
+        return None
+    return "greedy" if t == 0 else f"sampled at temperature {t:g}"
 
 
 def _series(rows: Sequence[dict], key: str):
@@ -64,7 +82,7 @@ def _series(rows: Sequence[dict], key: str):
 PANELS = [
     ("reward", "Reward and accuracy", "value", [
         ("critic/score/mean", "train score"), ("critic/rewards/mean", "train reward (after overlong penalty)"),
-        ("acc/mean", "train acc"), ("val/acc", "held-out acc (greedy)"), ("val/score", "held-out score")]),
+        ("acc/mean", "train acc"), ("val/acc", "held-out acc"), ("val/score", "held-out score")]),
     # Fractions of the step's freshly generated groups, all on one 0-1 axis (the counts are
     # divided by train/seen_groups in _with_fractions).
     ("sampling", "Dynamic sampling: groups kept / all-correct / all-wrong", "fraction of generated groups", [
@@ -160,12 +178,13 @@ def _plot_timing(plt, rows, path) -> bool:
     return True
 
 
-def _summary(rows: List[dict]) -> List[tuple]:
+def _summary(rows: List[dict], decoding: Optional[str] = None) -> List[tuple]:
     val = [r for r in rows if "val/acc" in r]
     out = [("steps", str(max(r["step"] for r in rows)))]
     if val:
-        out.append(("held-out accuracy", f"{100 * val[0]['val/acc']:.1f}% (step {val[0]['step']}) -> "
-                                         f"{100 * val[-1]['val/acc']:.1f}% (step {val[-1]['step']})"))
+        out.append((f"held-out accuracy ({decoding})" if decoding else "held-out accuracy",
+                    f"{100 * val[0]['val/acc']:.1f}% (step {val[0]['step']}) -> "
+                    f"{100 * val[-1]['val/acc']:.1f}% (step {val[-1]['step']})"))
     total = sum(float(r.get("timing_s/step", 0.0) or 0.0) for r in rows)
     if total:
         out.append(("training time", f"{total:.0f} s"))
@@ -281,12 +300,13 @@ def _curve(runs: List[dict], key: str):
 
 def _plot_ablation(plt, result: dict, task: dict, path: str) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    drawn = False
+    drawn, decoding = False, None
     for with_, style in ((False, "--"), (True, "-")):
         runs = [r for r in result["runs"] if r["task"] == task["name"] and r["with"] == with_]
         if not runs:
             continue
         label = "DAPO" if with_ else f"DAPO - {task['component']}"
+        decoding = decoding or val_decoding(runs[0]["run_dir"], load_metrics(runs[0]["run_dir"]))
         for ax, key in zip(axes, (task["metric"], "val/acc")):
             xs, ys = _curve(runs, key)
             if xs:
@@ -294,7 +314,8 @@ def _plot_ablation(plt, result: dict, task: dict, path: str) -> bool:
                 drawn = True
     if drawn:
         axes[0].set(title=f"{task['name']}: {task['metric_label']}", ylabel=task["metric"])
-        axes[1].set(title=f"{task['name']}: held-out accuracy (greedy)", ylabel="val/acc")
+        axes[1].set(title=f"{task['name']}: held-out accuracy" + (f" ({decoding})" if decoding else ""),
+                    ylabel="val/acc")
         for ax in axes:
             ax.set_xlabel(f"generated responses (mean of {len(result['seeds'])} seeds)")
         _save(fig, axes, path)
@@ -303,8 +324,7 @@ def _plot_ablation(plt, result: dict, task: dict, path: str) -> bool:
 
 
 def _write_ablation_report(run_dir: str, out_dir: str, plt) -> str:
-    with open(os.path.join(run_dir, "ablation.json")) as f:
-        result = json.load(f)
+    result = read_json(os.path.join(run_dir, "ablation.json"))
     figures = []
     for task in result["tasks"]:
         if _plot_ablation(plt, result, task, os.path.join(out_dir, f"ablation_{task['name']}.png")):
@@ -339,8 +359,11 @@ def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence
     bad = [a for a in analyses if a not in ANALYSES]
     if bad:
         raise ValueError(f"analysis must be one of {ANALYSES}, got {bad}")
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(f"dapo-report draws its plots with matplotlib, which is not installed ({e}): "
+                          "pip install matplotlib (or pip install 'dapo-kernels[trainer]')") from e
     matplotlib.use("Agg")  # no display on a training box
     import matplotlib.pyplot as plt
 
@@ -349,9 +372,12 @@ def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence
         os.makedirs(out_dir, exist_ok=True)
         return _write_page(out_dir, _write_ablation_report(run_dir, out_dir, plt))
     rows = _with_fractions(load_metrics(run_dir))
+    decoding = val_decoding(run_dir, rows)
     os.makedirs(out_dir, exist_ok=True)
     figures = []
     for name, title, ylabel, keys in PANELS:
+        if decoding:
+            keys = [(k, f"{label} ({decoding})" if k == "val/acc" else label) for k, label in keys]
         if _plot_lines(plt, rows, title, ylabel, keys, os.path.join(out_dir, f"{name}.png")):
             figures.append((name, title))
     if _plot_length_hist(plt, rows, os.path.join(out_dir, "length_hist.png")):
@@ -367,7 +393,7 @@ def write_report(run_dir: str, out_dir: Optional[str] = None, analyses: Sequence
                                                       rows, out_dir)
         figures += figs
     esc = html.escape
-    summary = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _summary(rows))
+    summary = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _summary(rows, decoding))
     body = "".join(f'<figure><img src="{n}.png" alt="{esc(t)}"><figcaption>{esc(t)}</figcaption></figure>'
                    for n, t in figures)
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>DAPO run {esc(run_dir)}</title>"
@@ -398,11 +424,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="extra section: batch_quality (flagged samples and reward / length panels from the "
                         "rollouts dumped by trainer.rollout_data_dir)")
     p.add_argument("--rollout-dir", default=None, help="the rollout dump (default RUN_DIR/rollout_data)")
+    _cli.add_debug_flag(p)
     args = p.parse_args(argv)
-    try:
-        print(write_report(args.run_dir, args.out, args.analysis, args.rollout_dir))
-    except ValueError as e:
-        sys.exit(f"dapo-report: {e}")
+    print(_cli.run("dapo-report", args.debug, write_report, args.run_dir, args.out, args.analysis, args.rollout_dir))
     return 0
 
 

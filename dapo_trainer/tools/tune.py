@@ -13,7 +13,6 @@ data paths are left to the command line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,6 +21,8 @@ from typing import List, Optional, Tuple
 
 import yaml
 
+from ..readers import read_json
+from . import _cli
 from .memory_model import DTYPE_BYTES, Parallel, kv_bytes_per_token, rollout_memory, train_memory
 
 GIB = 1 << 30
@@ -78,6 +79,33 @@ def dataset_prompt_lengths(path: str, model_dir: str) -> Tuple[List[int], str]:
     return [math.ceil(len(t) / 3.5) for t in texts], "characters / 3.5 (no tokenizer.json)"
 
 
+def _profile_number(prof: dict, key: str, path: str, lo: float, hi: float) -> None:
+    v = prof.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # (NaN fails the range)
+        raise ValueError(f"{path}: {key} must be a number in [{lo:g}, {hi:g}], got {type(v).__name__} {v!r}")
+
+
+def read_profile(path: str) -> dict:
+    """The fields of a ``dapo-profile`` profile.json that the tuner reads, checked (ValueError naming
+    the file and key): ``keep_rate`` and ``truncated_share`` in [0, 1], ``steps`` and
+    ``config.max_response_length`` ints >= 1 where they are used."""
+    prof = read_json(path)
+    if not isinstance(prof, dict):
+        raise ValueError(f"{path}: a profile must be a JSON object, got {type(prof).__name__}")
+    _profile_number(prof, "keep_rate", path, 0.0, 1.0)
+    _profile_number(prof, "truncated_share", path, 0.0, 1.0)
+    if prof.get("keep_rate") is not None:
+        _profile_number(prof, "steps", path, 1, math.inf)
+    if (prof.get("truncated_share") or 0) > 0.05:
+        length = (prof.get("config") or {}).get("max_response_length") if isinstance(prof.get("config"), dict) \
+            else None
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"{path}: config.max_response_length must be an int >= 1, got {length!r}")
+    return prof
+
+
 def fill_probability(gen_batch_size: int, keep: float, need: int, batches: int) -> float:
     """P(Binomial(batches x gen_batch_size, keep) >= need): the chance that ``batches`` generation
     batches keep enough groups."""
@@ -128,8 +156,7 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     keep = task["keep"]
     why_keep = f"assumed keep rate {keep:.0%} ({task_type} prior; pass --profile to measure it)"
     if profile:
-        with open(profile) as f:
-            prof = json.load(f)
+        prof = read_profile(profile)
         if prof.get("keep_rate") is not None:
             keep = max(0.05, float(prof["keep_rate"]))
             why_keep = f"measured keep rate {prof['keep_rate']:.0%} over {prof['steps']} profiled steps"
@@ -299,11 +326,15 @@ def cli(argv: Optional[List[str]] = None) -> str:
     ap.add_argument("--dataset", default=None, help="training prompts (.jsonl / .parquet): length distribution")
     ap.add_argument("--profile", default=None, help="profile.json of dapo-profile: measured keep rate")
     ap.add_argument("--output", default=None, help="write the YAML here too")
+    _cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
-    try:
-        values = tune(args.task_type, args.hardware, args.model, args.dataset, args.profile)
-    except ValueError as e:
-        sys.exit(f"dapo-tune: {e}")
+    return _cli.run("dapo-tune", args.debug, _run, args)
+
+
+def _run(args) -> str:
+    if args.output and os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output!r} is a directory; name the YAML file to write")
+    values = tune(args.task_type, args.hardware, args.model, args.dataset, args.profile)
     name = os.path.basename(os.path.normpath(args.model))
     text = to_yaml(values, f"dapo-tune --task-type {args.task_type} --hardware {args.hardware} --model {name}"
                    + (" --dataset" if args.dataset else "") + (" --profile" if args.profile else "")

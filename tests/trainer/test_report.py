@@ -63,7 +63,7 @@ def test_bad_run_dir(tmp_path, capsys):
     with pytest.raises(ValueError, match="has no metrics.jsonl"):
         report.load_metrics(str(tmp_path))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not JSON"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
         report.load_metrics(str(tmp_path))
     with pytest.raises(SystemExit, match="dapo-report: .*has no metrics.jsonl"):
         report.main([str(tmp_path / "nope")])

@@ -9,7 +9,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # Tests run in parallel on the 2 cores; interpreted Triton is CPU-bound Python.
 TEST_WORKERS ?= 2
 
-.PHONY: all install demo demo-dialog test test-vllm vllm-install test-verl verl-install browser bench bench-deps clean
+.PHONY: all install demo demo-dialog test test-vllm vllm-install test-verl verl-install browser bench bench-deps clean \
+	test-lowest lowest-install test-triton-versions
 
 all: install
 
@@ -52,10 +53,11 @@ browser:
 	  apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 || \
 	  echo "chromium could not be installed: the browser test will be skipped"; }
 
-test: install vllm-install verl-install browser
+test: install vllm-install verl-install lowest-install browser
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --timeout=600 -m "not vllm and not verl"
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
+	$(MAKE) test-lowest
 
 # The tolerance-heavy tests (marked seed_sweep in tests/conftest.py) under seeds 1..SEEDS, or the
 # seeds in SEED_LIST; failures per seed in runs/seed_sweep.txt, non-zero exit if any seed failed.
@@ -137,6 +139,51 @@ test-verl:
 	    -p no:cacheprovider -q -rA $(VERL_UNIT_TESTS); \
 	else $(PY) -m pytest tests -m verl -p no:xdist -rs; fi
 
+# The lowest torch, Triton and numpy that pyproject.toml declares, tested rather than claimed: a venv
+# layered over .venv (its own torch / Triton shadow .venv's; pytest, numpy, the editable
+# dapo_kernels come from .venv) runs the op tests on the CPU and compiles the AOT test set
+# (sm_90, sm_80) under that Triton. The bounds are read from pyproject.toml, so raising one
+# there moves the test with it. The extension is plain pybind11 (no libtorch), so .venv's
+# build loads under any torch.
+LOWEST_VENV   := .venv-lowest
+LOWEST_PY     := $(LOWEST_VENV)/bin/python
+TORCH_LOWEST  := $(shell sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+TRITON_LOWEST := $(shell sed -n 's/^ *"triton>=\([0-9.]*\)[";].*/\1/p' pyproject.toml)
+NUMPY_LOWEST  := $(shell sed -n 's/^ *"numpy>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+
+$(LOWEST_VENV)/.installed: pyproject.toml | $(VENV)/.ext
+	rm -rf $(LOWEST_VENV)
+	$(call layered_venv,$(LOWEST_VENV))
+	$(LOWEST_PY) -m pip --disable-pip-version-check install -q "torch==$(TORCH_LOWEST).*" \
+	  "triton==$(TRITON_LOWEST).*" "numpy==$(NUMPY_LOWEST).*"
+	$(LOWEST_PY) -c "import torch, triton; print('lowest declared: torch', torch.__version__, 'triton', triton.__version__)" | \
+	  grep -q "torch $(TORCH_LOWEST)\..* triton $(TRITON_LOWEST)\."
+	touch $@
+
+lowest-install: $(LOWEST_VENV)/.installed
+
+test-lowest: lowest-install
+	$(LOWEST_PY) -c "import torch, triton; print('lowest declared: torch', torch.__version__, 'triton', triton.__version__)"
+	$(LOWEST_PY) -m pytest tests/ops tests/test_aot_compile.py tests/test_no_extension.py -n $(TEST_WORKERS) \
+	  --timeout=600 -p no:cacheprovider
+
+# Every Triton minor version between the lowest declared and the pinned one compiles the AOT test
+# set (not part of make test: each version is a fresh compile of every kernel). Each Triton is
+# installed alone into .venv-triton/<version> and put first on PYTHONPATH over .venv.
+TRITON_VERSIONS ?= 3.7.1 3.8.0
+TRITON_DIR      := .venv-triton
+
+$(TRITON_DIR)/%/.installed: | $(VENV)/.ext
+	$(PIP) install -q --no-deps --target $(TRITON_DIR)/$* "triton==$*"
+	touch $@
+
+# (make test covers the lowest, in .venv-lowest, and the pinned one, in .venv.)
+test-triton-versions: $(foreach v,$(TRITON_VERSIONS),$(TRITON_DIR)/$(v)/.installed)
+	for v in $(TRITON_VERSIONS); do \
+	  PYTHONPATH=$(abspath $(TRITON_DIR))/$$v $(PY) -c "import triton; print('triton', triton.__version__)" && \
+	  PYTHONPATH=$(abspath $(TRITON_DIR))/$$v $(PY) -m pytest tests/test_aot_compile.py -n $(TEST_WORKERS) \
+	    -p no:cacheprovider || exit 1; done
+
 # Benchmark-only peers (never dependencies of the library itself).
 $(VENV)/.bench-deps: requirements-bench.txt requirements-bench-nodeps.txt $(VENV)/.deps
 	$(PIP) install -q -r requirements-bench.txt
@@ -149,4 +196,4 @@ bench: bench-deps
 	$(PY) -m pytest benchmarks --benchmark-only -p no:xdist
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) build *.egg-info dapo_kernels/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(LOWEST_VENV) $(TRITON_DIR) build *.egg-info dapo_kernels/_C*.so

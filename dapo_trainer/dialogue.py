@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from .rewards import check_reward
+
 __all__ = ["score_dialogues", "binarize"]
 
 
@@ -52,17 +54,15 @@ def score_dialogues(out, rows: Sequence[dict], *, reward_fn: Optional[Callable] 
         row = rows[out.group_index[k].item()]
         if reward_fn is not None:
             last = next((m["content"] for m in reversed(c.messages) if m["role"] == "assistant"), "")
-            res = reward_fn(row["data_source"], last, row["ground_truth"],
-                            {"messages": c.messages, "components": dict(cm), "extra_info": row.get("extra_info", {}),
-                             "response_length": len(c.tokens), "max_response_length": max_response_length,
-                             "truncated": c.finish != "stop", "num_turns": c.num_turns})
-            if isinstance(res, dict):
-                if "score" not in res:
-                    raise ValueError(f"reward function returned a dict without 'score': {sorted(res)}")
-                cm.update({key: float(v) for key, v in res.items() if isinstance(v, (int, float))})
-                score = float(res["score"])
-            else:
-                score = cm["score"] = float(res)
+            score, res = check_reward(
+                reward_fn(row["data_source"], last, row["ground_truth"],
+                          {"messages": c.messages, "components": dict(cm), "extra_info": row.get("extra_info", {}),
+                           "response_length": len(c.tokens), "max_response_length": max_response_length,
+                           "truncated": c.finish != "stop", "num_turns": c.num_turns}),
+                fn_name=getattr(reward_fn, "__name__", repr(reward_fn)), sample_index=k,
+                row_index=out.group_index[k].item())
+            cm.update({key: v for key, v in res.items() if isinstance(v, float)})
+            cm["score"] = score
         elif weights:
             missing = [name for name in weights if name not in cm]
             if missing:

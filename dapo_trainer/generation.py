@@ -172,17 +172,14 @@ class GenerationStage:
             truncated = not ids or ids[-1] not in stops
             body = ids if truncated else ids[:-1]
             row = rows[out.group_index[k].item()]
-            res = self.reward_fn(row["data_source"], self.tokenizer.decode(body), row["ground_truth"],
-                                 {"prompt": row["prompt"], "response_length": len(ids),
-                                  "max_response_length": max_len, "truncated": truncated})
-            if isinstance(res, dict):
-                if "score" not in res:
-                    raise ValueError(f"reward function returned a dict without 'score': {sorted(res)}")
-                score = float(res["score"])
-                acc = float(res["acc"]) if "acc" in res else float(score > 0)
-            else:
-                score, res = float(res), {}
-                acc = float(score > 0)
+            # verl's reward managers pass the row's extra_info with the per-response keys merged in.
+            extra = {**row.get("extra_info", {}), "prompt": row["prompt"], "response_length": len(ids),
+                     "max_response_length": max_len, "truncated": truncated}
+            score, res = rewards.check_reward(
+                self.reward_fn(row["data_source"], self.tokenizer.decode(body), row["ground_truth"], extra),
+                fn_name=getattr(self.reward_fn, "__name__", repr(self.reward_fn)), sample_index=k,
+                row_index=out.group_index[k].item())
+            acc = float(res["acc"]) if "acc" in res else float(score > 0)
             scores.append(score)
             accs.append(acc)
             comps.append(res)

@@ -201,3 +201,19 @@ def test_packed_seq_mode_needs_cu_seqlens():
     z = torch.zeros(5)
     with pytest.raises(ValueError, match="cu_seqlens"):
         dk.policy_loss(z, z, z, torch.ones(5, dtype=torch.bool), loss_agg_mode="seq-mean-token-sum")
+
+
+@pytest.mark.parametrize("count", ["num_tokens", "num_seqs"])
+def test_zero_global_count_with_selected_tokens_is_refused(count):
+    """A count of 0 with a non-empty mask would turn the mean into a sum: a Python 0 raises naming
+    the argument, a tensor 0 (no host read) gives a NaN loss; with an empty mask both give 0."""
+    lp, old, adv = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mode = "token-mean" if count == "num_tokens" else "seq-mean-token-mean"
+    with pytest.raises(ValueError, match=count):
+        dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode, **{count: 0})
+    loss = dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode, **{count: torch.zeros(())})[0]
+    assert torch.isnan(loss)
+    empty = torch.zeros_like(mask)
+    for zero in (0, torch.zeros(())):
+        assert dk.policy_loss(lp, old, adv, empty, loss_agg_mode=mode, **{count: zero})[0] == 0

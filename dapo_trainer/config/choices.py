@@ -27,6 +27,9 @@ Embedder = Literal["minilm", "ngram"]
 OnError = Literal["raise", "drop"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 Device = Literal["auto", "cpu", "cuda", "npu"]
+# trainer.logger: "tensorboard" mirrors metrics.jsonl (always written) to TensorBoard; "console" adds nothing
+# (the bar is trainer.progress_bar).
+Logger = Literal["console", "tensorboard"]
 # Each SP rank aggregates the loss of its token shard: only token-additive modes stay exact.
 SP_LOSS_AGG_MODES = ("token-mean", "token-sum")
 
@@ -41,7 +44,9 @@ RESUME_MODES = choices(ResumeMode)
 STRATEGIES = choices(Strategy)
 PARAM_DTYPES = choices(ParamDtype)
 DEVICES = choices(Device)
+LOGGERS = choices(Logger)
 
 __all__ = ["LossAggMode", "KlType", "Strategy", "ParamDtype", "Truncation", "FilterMetric", "KeepPreference",
-           "AdvEstimator", "Scorer", "Embedder", "OnError", "ResumeMode", "Device", "RolloutName", "ENGINES",
-           "choices", "SP_LOSS_AGG_MODES", "FILTER_METRICS", "RESUME_MODES", "STRATEGIES", "PARAM_DTYPES", "DEVICES"]
+           "AdvEstimator", "Scorer", "Embedder", "OnError", "ResumeMode", "Device", "Logger", "RolloutName", "ENGINES",
+           "choices", "SP_LOSS_AGG_MODES", "FILTER_METRICS", "RESUME_MODES", "STRATEGIES", "PARAM_DTYPES", "DEVICES",
+           "LOGGERS"]

@@ -8,6 +8,7 @@
   float key without a range is a visible choice (tests/trainer/test_config.py requires one on each).
 * ``aliases``: other spellings of the key the loader accepts (one canonical key in errors).
 
+Every int must fit int64 (tensors and the extension ops take them as int64).
 A field typed with a ``Literal`` (alone, in a list or in a union) must hold one of its values.
 :func:`check_fields` checks all of it for a whole config, naming the dotted key.
 """
@@ -22,6 +23,8 @@ from dapo_kernels.validation import check_float
 
 Range = Tuple[Callable[[float], bool], str]  # (valid, expected), as check_float takes them
 ANY: Optional[Range] = None  # any finite value
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 _UNSET = object()
 
 
@@ -84,8 +87,9 @@ def _check_range(key: str, value, rule: Optional[Range]) -> None:
     if isinstance(value, float):
         check_float(f"config key {key!r}", value, valid=lambda v: math.isfinite(v) and valid(v),
                     expected=f"finite and {expected}" if expected else "finite")
-    elif rule and isinstance(value, int) and not isinstance(value, bool):
-        require(valid(value), key, f"must be {expected}, got {value}")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        require(INT64_MIN <= value <= INT64_MAX, key, f"must fit int64, got {value}")
+        require(not rule or valid(value), key, f"must be {expected}, got {value}")
 
 
 def _one_of(values) -> str:

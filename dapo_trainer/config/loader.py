@@ -1,8 +1,11 @@
 """Defaults <- a YAML file <- ``key=value`` overrides, each value coerced to its field's type.
 
 A key given twice in one YAML mapping, or set twice in one file (dotted once, nested once), is a
-``ValueError`` naming the key; an unknown key names the closest valid one; a value of the wrong
-type is a ``TypeError`` naming the key. Values and rules are checked after the last override
+``ValueError`` naming the key; a value of the wrong type is a ``TypeError`` naming the key. Unknown
+keys, and verl keys whose value asks for what is not implemented (:mod:`.verl_keys`), are collected
+over the whole file and every override and reported in one :class:`ConfigError`, each with the
+closest valid key when one is close. verl keys accepted without effect are listed in one
+:class:`VerlKeysNoted` warning. Values and rules are checked after the last override
 (:func:`.rules.validate`), so an override may fix what the file set.
 """
 from __future__ import annotations
@@ -10,12 +13,65 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+import warnings
 from typing import Any, Dict, List, Literal, Optional, Union
 
 import yaml
 
 from .rules import validate
 from .schema import Config
+from .verl_keys import VERL_KEYS, check_verl_keys, is_verl_section, split_loggers
+
+
+class ConfigError(ValueError):
+    """Every unknown or rejected key of one load; ``problems``: one line each."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            super().__init__(f"{len(self.problems)} config problems:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class VerlKeysNoted(UserWarning):
+    """verl keys accepted without effect here; ``notes``: one line each, ``key=value: what it means here``."""
+
+    def __init__(self, notes: List[str]):
+        self.notes = list(notes)
+        super().__init__("verl keys accepted with no effect here:\n" + "\n".join(f"  {n}" for n in notes))
+
+
+class _Reading:
+    """What one load collects until the last override: verl keys given, notes, problems."""
+
+    def __init__(self):
+        self.verl: Dict[str, Any] = {}  # key -> last value given
+        self.notes: Dict[str, str] = {}
+        self.problems: List[str] = []
+
+    def not_a_field(self, key: str, value) -> None:
+        """``key`` names no field: a verl key (judged in :meth:`finish`), a section of some, or unknown."""
+        if key in VERL_KEYS:
+            self.verl[key] = value
+        elif isinstance(value, dict) and is_verl_section(key):
+            for k, v in value.items():
+                self.not_a_field(f"{key}.{k}", v)
+        else:
+            self.problems.append(_unknown_key(key))
+
+    def finish(self, cfg: Config) -> List[str]:
+        """Judge the verl keys against the final ``cfg``: one :class:`ConfigError` with every problem,
+        else the notes."""
+        notes, problems = check_verl_keys(list(self.verl.items()), cfg)
+        if self.problems or problems:
+            raise ConfigError(self.problems + problems)
+        return list(self.notes.values()) + notes
+
+
+def _print_notes(notes: List[str]) -> None:
+    if notes:
+        warnings.warn(VerlKeysNoted(notes), stacklevel=3)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -80,10 +136,22 @@ def _sections(cls=Config):
 ALIASES = {cls.__name__: a for cls in _sections() if (a := _aliases(cls))}
 
 
-def _unknown_key(key: str) -> ValueError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.0)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"unknown config key {key!r}{hint}")
+def _closest_key(key: str) -> Optional[str]:
+    """A valid key close to ``key``: a sibling with a similar name, else a near-identical dotted key."""
+    known = all_keys() + list(VERL_KEYS)
+    section, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section]
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)
+    if close:
+        return f"{section}.{close[0]}" if section else close[0]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.9)
+    return close[0] if close else None
+
+
+def _unknown_key(key: str) -> str:
+    close = _closest_key(key)
+    hint = f"; did you mean {close!r}?" if close else ""
+    return f"unknown config key {key!r}{hint}"
 
 
 def _coerce(key: str, value, tp):
@@ -146,8 +214,9 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", str(t).replace("typing.", ""))
 
 
-def _set(obj, path: List[str], value, full_key: str, seen: Optional[set] = None) -> None:
+def _set(obj, path: List[str], value, full_key: str, reading: _Reading, seen: Optional[set] = None) -> None:
     """Assign ``value`` at ``path`` under the dataclass ``obj``; a mapping merges into a section.
+    A key that names no field goes to ``reading``.
 
     ``seen``: the leaf keys this mapping has set so far; setting one again (``a.b: 1`` and
     ``a: {b: 2}`` in one file) is a duplicate key.
@@ -156,39 +225,39 @@ def _set(obj, path: List[str], value, full_key: str, seen: Optional[set] = None)
     if name != path[0]:  # one canonical spelling, so that an alias and its field count as one key
         full_key = full_key[:len(full_key) - len(".".join(path))] + ".".join([name, *path[1:]])
     if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
-        raise _unknown_key(full_key)
+        return reading.not_a_field(full_key, value)
     tp = _hints(type(obj))[name]
     if len(path) > 1:
         if not dataclasses.is_dataclass(tp):
-            raise _unknown_key(full_key)
-        _set(getattr(obj, name), path[1:], value, full_key, seen)
+            return reading.not_a_field(full_key, value)
+        _set(getattr(obj, name), path[1:], value, full_key, reading, seen)
     elif dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise TypeError(f"config key {full_key!r} is a section; give a mapping, got {type(value).__name__}")
         for k, v in value.items():
-            _set(getattr(obj, name), [str(k)], v, f"{full_key}.{k}", seen)
+            _set(getattr(obj, name), [str(k)], v, f"{full_key}.{k}", reading, seen)
     else:
         if seen is not None:
             if full_key in seen:
                 raise ValueError(f"duplicate config key {full_key!r}: set twice in one file")
             seen.add(full_key)
+        if full_key == "trainer.logger":
+            value, note = split_loggers(value)
+            reading.notes.pop(full_key, None)
+            if note:
+                reading.notes[full_key] = f"{full_key}: {note}"
         setattr(obj, name, _coerce(full_key, value, tp))
 
 
-def apply_dict(cfg: Config, tree: dict, prefix: str = "") -> Config:
-    """Merge a nested mapping (a parsed YAML file) into ``cfg``; returns it. A key set twice
-    (spelled dotted once and nested once) is a ``ValueError``."""
+def _apply_dict(cfg: Config, tree: dict, reading: _Reading) -> None:
     if not isinstance(tree, dict):
         raise TypeError(f"config file must hold a mapping at the top level, got {type(tree).__name__}")
     seen: set = set()
     for k, v in tree.items():
-        key = f"{prefix}{k}"
-        _set(cfg, key.split("."), v, key, seen)
-    return cfg
+        _set(cfg, str(k).split("."), v, str(k), reading, seen)
 
 
-def apply_override(cfg: Config, override: str) -> Config:
-    """Apply one ``dotted.key=value`` (verl's ``+key=value`` is accepted for known keys)."""
+def _apply_override(cfg: Config, override: str, reading: _Reading) -> None:
     if not isinstance(override, str) or "=" not in override:
         raise ValueError(f"override {override!r} must look like key=value")
     key, raw = override.split("=", 1)
@@ -197,22 +266,43 @@ def apply_override(cfg: Config, override: str) -> Config:
         value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    _set(cfg, key.split("."), value, key)
+    _set(cfg, key.split("."), value, key, reading)
+
+
+def apply_dict(cfg: Config, tree: dict) -> Config:
+    """Merge a nested mapping (a parsed YAML file) into ``cfg``; returns it. A key set twice
+    (spelled dotted once and nested once) is a ``ValueError``; unknown keys, one :class:`ConfigError`."""
+    reading = _Reading()
+    _apply_dict(cfg, tree, reading)
+    _print_notes(reading.finish(cfg))
+    return cfg
+
+
+def apply_override(cfg: Config, override: str) -> Config:
+    """Apply one ``dotted.key=value`` (verl's ``+key=value`` is accepted for known keys)."""
+    reading = _Reading()
+    _apply_override(cfg, override, reading)
+    _print_notes(reading.finish(cfg))
     return cfg
 
 
 def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
-    """Defaults <- YAML file <- ``overrides`` (``["key=value", ...]``), then :func:`validate`."""
+    """Defaults <- YAML file <- ``overrides`` (``["key=value", ...]``), then :func:`validate`.
+
+    Every unknown or rejected key of the file and the overrides: one :class:`ConfigError`."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a list of 'key=value' strings, got a single str")
-    cfg = Config()
+    cfg, reading = Config(), _Reading()
     if yaml_path is not None:
         with open(yaml_path) as f:
             tree = _yaml_load(f) or {}
-        apply_dict(cfg, tree)
+        _apply_dict(cfg, tree, reading)
     for o in overrides:
-        apply_override(cfg, o)
-    return validate(cfg)
+        _apply_override(cfg, o, reading)
+    notes = reading.finish(cfg)
+    validate(cfg)
+    _print_notes(notes)
+    return cfg
 
 
 def dump_config(cfg: Config, path: str) -> None:

@@ -6,15 +6,20 @@ naming the dotted key (:func:`~.fields.require`); add one with the ``@rule`` dec
 """
 from __future__ import annotations
 
-from typing import Callable, List
+import dataclasses
+import json
+import os
+from typing import Callable, List, Optional, Tuple
 
 from .choices import SP_LOSS_AGG_MODES
-from .fields import check_fields, require
+from .fields import INT32_MAX, check_fields, require
 from .schema import Config
 
 RULES: List[Callable[[Config], None]] = []
 ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
 DTL = f"{ACTOR}.dynamic_token_len"
+MODEL_PATH = "actor_rollout_ref.model.path"
 
 
 def rule(fn: Callable[[Config], None]) -> Callable[[Config], None]:
@@ -24,6 +29,55 @@ def rule(fn: Callable[[Config], None]) -> Callable[[Config], None]:
 
 def _longest_sequence(cfg: Config) -> int:
     return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def model_context_length(model_path: str) -> Optional[Tuple[int, str]]:
+    """``(max_position_embeddings, file)`` from ``model_path/config.json`` alone (no model is built);
+    None when there is no such file (the model loader reports a missing model). A missing field reads
+    as the model loader's default."""
+    path = os.path.join(model_path, "config.json") if model_path else ""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"config key {MODEL_PATH!r}: {path} is not a JSON file: {e}") from None
+    from ..model import ModelConfig  # its default is what the loader builds without the field
+
+    default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["max_position_embeddings"]
+    ctx = hf.get("max_position_embeddings", default) if isinstance(hf, dict) else None
+    require(isinstance(ctx, int) and not isinstance(ctx, bool) and ctx >= 1, MODEL_PATH,
+            f"{path}: max_position_embeddings must be an int >= 1, got {ctx!r}")
+    return ctx, path
+
+
+@rule
+def lengths_fit_model_context(cfg: Config) -> None:
+    d, longest, mml = cfg.data, _longest_sequence(cfg), cfg.actor_rollout_ref.rollout.max_model_len
+    lengths = f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + {d.max_response_length}"
+    require(mml is None or longest <= mml, f"{ROLLOUT}.max_model_len",
+            f"must hold the longest sequence, {lengths} = {longest}, got {mml}")
+    found = model_context_length(cfg.actor_rollout_ref.model.path)
+    if found is not None:
+        ctx, path = found
+        require(longest <= ctx, "data.max_response_length",
+                f"{lengths} = {longest} exceeds the model's context, max_position_embeddings = {ctx} in {path}")
+        require(mml is None or mml <= ctx, f"{ROLLOUT}.max_model_len",
+                f"{mml} exceeds the model's context, max_position_embeddings = {ctx} in {path}")
+
+
+@rule
+def sample_groups_fit_int32_offsets(cfg: Config) -> None:
+    # A prompt's n responses stay together on one rank, packed with int32 offsets (flash-attn's cu_seqlens).
+    longest, r = _longest_sequence(cfg), cfg.actor_rollout_ref.rollout
+    require(longest <= INT32_MAX, "data.max_response_length",
+            f"data.max_prompt_length + data.max_response_length = {longest} exceeds the {INT32_MAX} tokens one "
+            "packed batch can address")
+    for key, n in ((f"{ROLLOUT}.n", r.n), (f"{ROLLOUT}.val_kwargs.n", r.val_kwargs.n)):
+        require(n * longest <= INT32_MAX, key,
+                f"{n} samples of up to {longest} tokens (data.max_prompt_length + data.max_response_length) "
+                f"exceed the {INT32_MAX} tokens one packed batch can address, got {n}")
 
 
 @rule

@@ -12,11 +12,13 @@ from typing import Dict, List, Optional, Union
 from dapo_kernels.validation import CLIP_RATIO_RANGES
 
 from ..rollout.base import EngineSettings, RolloutConfig
-from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, LossAggMode, OnError,
-                      ParamDtype, ResumeMode, Scorer, Strategy, Truncation)
-from .fields import ANY, above, at_least, setting, within
+from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, Logger, LossAggMode,
+                      OnError, ParamDtype, ResumeMode, Scorer, Strategy, Truncation)
+from .fields import ANY, INT32_MAX, above, at_least, setting, within
 
 POSITIVE = at_least(1)
+# A micro-batch is packed end to end with int32 offsets (flash-attn's cu_seqlens).
+TOKENS_PER_MICRO_BATCH = within(1, INT32_MAX)
 PROBABILITY = within(0, 1, open_lo=True)  # a top-p or a memory fraction: in (0, 1]
 
 
@@ -40,9 +42,14 @@ class DataConfig:
     # What to do with a prompt over max_prompt_length.
     truncation: Truncation = "error"
     shuffle: bool = True
-    # None: every validation row.
-    val_max_samples: Optional[int] = None
+    # None or -1 (verl's spelling): every validation row.
+    val_max_samples: Optional[int] = setting(None, range=((lambda v: v == -1 or v >= 1), "-1 (every row) or >= 1"))
     val_batch_size: int = setting(64, range=POSITIVE)
+
+    @property
+    def val_rows_limit(self) -> Optional[int]:
+        """How many validation rows to use: ``rows[:val_rows_limit]`` (None: every row)."""
+        return None if self.val_max_samples in (None, -1) else self.val_max_samples
 
 
 @dataclass
@@ -61,7 +68,7 @@ class ValKwargs:
 
     temperature: float = setting(0.0, range=at_least(0, "(0: greedy)"))
     top_p: float = setting(1.0, range=PROBABILITY)
-    n: int = 1
+    n: int = setting(1, range=POSITIVE)
 
 
 @dataclass
@@ -107,7 +114,7 @@ class DynamicTokenLenConfig:
     short_turns: float = setting(2.0, range=at_least(1))
     short_factor: float = setting(1.0, range=above(0))
     # The memory ceiling (tokens per micro-batch); None: ppo_max_token_len_per_gpu itself.
-    max_token_len: Optional[int] = None
+    max_token_len: Optional[int] = setting(None, range=TOKENS_PER_MICRO_BATCH)
 
 
 @dataclass
@@ -126,7 +133,7 @@ class ActorConfig:
     clip_ratio_c: float = setting(3.0, range=CLIP_RATIO_RANGES["clip_ratio_c"])
     loss_agg_mode: LossAggMode = "token-mean"
     use_dynamic_bsz: bool = True
-    ppo_max_token_len_per_gpu: int = setting(16384, range=POSITIVE)
+    ppo_max_token_len_per_gpu: int = setting(16384, range=TOKENS_PER_MICRO_BATCH)
     # With use_dynamic_bsz: ppo_max_token_len_per_gpu scaled by the batch's mean dialogue turns.
     dynamic_token_len: DynamicTokenLenConfig = field(default_factory=DynamicTokenLenConfig)
     # Without dynamic bsz: sequences per micro-batch.
@@ -235,7 +242,8 @@ class TrainerConfig:
     # Stop after this many steps in a row with an update skipped as non-finite.
     max_nonfinite_steps: int = setting(3, range=POSITIVE)
     device: Device = "auto"
-    logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    # verl's other loggers (wandb, ...) are dropped at load with a note (.verl_keys).
+    logger: List[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     progress_bar: bool = True
     # verl's key: a directory where every step writes its sampled rollouts as {step}.jsonl (None: off);
     # read by ``dapo-report RUN_DIR --analysis batch_quality`` (dapo_trainer.batch_quality).

@@ -47,7 +47,7 @@ class EngineSettings:
     """
 
     name: RolloutName = "embedded"
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = field(default=None, metadata={"range": (lambda v: v >= 1, ">= 1 or null")})
     tensor_model_parallel_size: int = field(default=1, metadata={"range": (lambda v: v >= 1, ">= 1")})
     gpu_memory_utilization: float = field(default=0.5, metadata={"range": (lambda v: 0 < v <= 1, "in (0, 1]")})
     enforce_eager: bool = True

@@ -54,7 +54,8 @@ class MetricsLogger:
         # Drop lines of steps after the checkpoint we resume from: they are recomputed. From
         # step 0 nothing is kept: the validation before training is rerun and logs step 0.
         kept = [m for m in read_metrics(run_dir) if m.get("step", 0) <= start_step] if start_step > 0 else []
-        _atomic_write_text(self.path, "".join(json.dumps(m) + "\n" for m in kept))
+        # Written with the first line: a run that fails before logging leaves the old file as it was.
+        self._head: Optional[str] = "".join(json.dumps(m) + "\n" for m in kept)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -70,6 +71,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         line = {"step": step, **{k: v if isinstance(v, str) else float(v) for k, v in metrics.items()}}
+        if self._head is not None:
+            _atomic_write_text(self.path, self._head)
+            self._head = None
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
             f.flush()

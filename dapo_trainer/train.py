@@ -23,13 +23,19 @@ def parse_args(argv: Optional[List[str]] = None):
     p = argparse.ArgumentParser(prog="python -m dapo_trainer.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="YAML config (e.g. dapo_trainer/configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, verl's key names")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a config error")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
     """Load the config, join the process group when launched by torchrun, train; returns final metrics."""
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, TypeError, OSError) as e:
+        if args.debug:
+            raise
+        sys.exit(f"config error: {e}")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         init_distributed(resolve_device(cfg.trainer.device))

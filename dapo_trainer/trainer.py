@@ -36,9 +36,9 @@ from . import data as data_mod
 from . import envs
 from .actor import Actor
 from .batch_metrics import batch_metrics
-from .config import Config
+from .config import Config, dump_config
 from .generation import GenerationStage
-from .hf_io import load_hf_model
+from .hf_io import load_hf_model, read_hf_config
 from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import ParallelDims, full_state_dict, parallelize_model
@@ -90,6 +90,23 @@ def find_resume_dir(cfg: Config, ckpt_root: str) -> Optional[str]:
     return ckpt.latest_checkpoint(ckpt_root)
 
 
+# The ModelConfig fields that fix the parameters' shapes and the model's function.
+_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings")
+
+
+def check_resume_model(model_path: str, resume_dir: str) -> None:
+    """A checkpoint resumes only the model ``actor_rollout_ref.model.path`` names: another architecture
+    would silently train the checkpoint's model instead of the one asked for."""
+    want, have = read_hf_config(model_path), read_hf_config(os.path.join(resume_dir, "model"))
+    diff = {k: (getattr(want, k), getattr(have, k)) for k in _ARCHITECTURE if getattr(want, k) != getattr(have, k)}
+    if diff:
+        rows = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
+        raise ValueError(f"actor_rollout_ref.model.path {model_path!r} and the checkpoint {resume_dir!r} are different "
+                         f"models ({rows}): resume with the model the checkpoint was trained from, or "
+                         "trainer.resume_mode=disable")
+
+
 class DAPOTrainer:
     """DAPO / GRPO trainer. ``DAPOTrainer(cfg).fit()`` trains and returns the final metrics.
 
@@ -114,13 +131,17 @@ class DAPOTrainer:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
         train_rows = data_mod.load_rows(d.train_files, d.prompt_key)
         self.val_rows = data_mod.load_rows(d.val_files, d.prompt_key) if d.val_files else []
-        if d.val_max_samples is not None:
-            self.val_rows = self.val_rows[:d.val_max_samples]
+        self.val_rows = self.val_rows[:d.val_rows_limit]
         # Multi-turn: an environment plays the user / tool side (dapo_trainer.envs, rollout/multiturn.py).
         ec = cfg.environment
         env = envs.load_environment(ec.path, ec.name) if ec.path else None
 
+        ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
+        if self.resume_dir:
+            check_resume_model(arr.model.path, self.resume_dir)
+            if self.dims.rank == 0:
+                print(f"resuming from {self.resume_dir}", flush=True)
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
         self.model = build_model(cfg, self.dims, self.device, model_dir)
         ref_model = (build_model(cfg, self.dims, self.device, arr.model.path, trainable=False)
@@ -209,6 +230,8 @@ class DAPOTrainer:
         log = MetricsLogger(self.run_dir, t.total_training_steps, start_step=self.global_step,
                             enabled=self.dims.rank == 0, progress_bar=t.progress_bar,
                             tensorboard="tensorboard" in t.logger)
+        if self.dims.rank == 0:  # what the run trained with, beside its metrics (dapo-report reads it)
+            dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
         metrics: Dict[str, float] = {}
         try:
             if self.global_step == 0 and t.val_before_train and self.val_rows:

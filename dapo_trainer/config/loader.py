@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 import yaml
 
+from ..readers import read_text
 from .rules import validate
 from .schema import Config
 from .verl_keys import VERL_KEYS, check_verl_keys, is_verl_section, split_loggers
@@ -294,8 +295,7 @@ def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
         raise TypeError("overrides must be a list of 'key=value' strings, got a single str")
     cfg, reading = Config(), _Reading()
     if yaml_path is not None:
-        with open(yaml_path) as f:
-            tree = _yaml_load(f) or {}
+        tree = _yaml_load(read_text(yaml_path)) or {}
         _apply_dict(cfg, tree, reading)
     for o in overrides:
         _apply_override(cfg, o, reading)

@@ -1,0 +1,75 @@
+"""What the trainer does with a user's inputs that used to go silently wrong: the row's extra_info
+reaches the reward function, a checkpoint of another model is refused, data.val_max_samples=-1
+keeps every row, a failed start leaves the metrics file alone, and what a run used is recorded."""
+import json
+
+import pytest
+
+from dapo_trainer.config import load_config
+from dapo_trainer.trainer import DAPOTrainer
+from tests.trainer.tiny import micro_setup, write_tiny_model
+
+ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0"]
+
+EXTRA_INFO_REWARD = """
+import json, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.path.join(os.path.dirname(__file__), "seen.jsonl"), "a") as f:
+        f.write(json.dumps(extra_info) + "\\n")
+    return float(len(solution_str) % 2)
+"""
+
+
+def _with_extra_info(path: str) -> None:
+    rows = [json.loads(line) for line in open(path)]
+    with open(path, "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps({**r, "extra_info": {"index": i, "secret": "abc"}}) + "\n")
+
+
+def test_reward_function_gets_the_rows_extra_info_with_the_response_keys(tmp_path):
+    overrides = micro_setup(str(tmp_path), EXTRA_INFO_REWARD) + ONE_STEP
+    for name in ("train.jsonl", "val.jsonl"):
+        _with_extra_info(str(tmp_path / name))
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    seen = [json.loads(line) for line in open(tmp_path / "seen.jsonl")]
+    assert seen and all(s["secret"] == "abc" and isinstance(s["index"], int) for s in seen)
+    assert all({"prompt", "response_length", "max_response_length", "truncated"} <= set(s) for s in seen)
+
+
+def test_resume_with_another_model_size_names_both_shapes(tmp_path, capsys):
+    overrides = micro_setup(str(tmp_path)) + ONE_STEP + ["trainer.save_freq=1", "data.val_files=[]"]
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    more = overrides[:] + ["trainer.total_training_steps=2"]
+    DAPOTrainer(load_config(overrides=more))  # the same model resumes
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "global_step_1" in out
+    write_tiny_model(str(tmp_path / "model"), hidden=64)
+    with pytest.raises(ValueError, match=r"hidden_size 64 vs 32"):
+        DAPOTrainer(load_config(overrides=more))
+
+
+def test_val_max_samples_minus_one_keeps_every_row(tmp_path):
+    overrides = micro_setup(str(tmp_path), n_val=4) + ONE_STEP
+    assert len(DAPOTrainer(load_config(overrides=overrides + ["data.val_max_samples=-1"])).val_rows) == 4
+    assert len(DAPOTrainer(load_config(overrides=overrides + ["data.val_max_samples=3"])).val_rows) == 3
+
+
+def test_run_records_its_config_and_a_failed_start_keeps_old_metrics(tmp_path, monkeypatch):
+    overrides = micro_setup(str(tmp_path)) + ONE_STEP + ["data.val_files=[]"]
+    trainer = DAPOTrainer(load_config(overrides=overrides))
+    trainer.fit()
+    run = tmp_path / "run"
+    assert load_config(str(run / "config.yaml")).data.max_response_length == 5
+    before = (run / "metrics.jsonl").read_text()
+    assert before
+
+    def boom(*a, **k):
+        raise RuntimeError("generation failed")
+
+    again = DAPOTrainer(load_config(overrides=overrides + ["trainer.resume_mode=disable"]))
+    monkeypatch.setattr(again, "train_step", boom)
+    with pytest.raises(RuntimeError, match="generation failed"):
+        again.fit()
+    assert (run / "metrics.jsonl").read_text() == before

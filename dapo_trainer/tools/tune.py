@@ -164,12 +164,19 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
             response_len = 2 * prof["config"]["max_response_length"]
     if hardware == "cpu":
         prompt_len, response_len = min(prompt_len, 256), min(response_len, 256)
-    put("data.max_prompt_length", prompt_len, why_prompt)
+    # The config refuses prompt + response beyond the model's context: the response gives way first.
+    context = cfg.max_position_embeddings
+    why_context = ""
+    if prompt_len + response_len > context:
+        prompt_len = min(prompt_len, context // 2)
+        response_len = context - prompt_len
+        why_context = f"; cut to the model's max_position_embeddings {context}"
+    put("data.max_prompt_length", prompt_len, why_prompt + why_context)
     put("data.max_response_length", response_len,
         (f"the profile cut {prof['truncated_share']:.0%} of responses at "
          f"{prof['config']['max_response_length']}: doubled"
          if prof and prof.get("truncated_share", 0) > 0.05 else f"{task_type} prior")
-        + ("; capped at 256 for CPU debugging" if hardware == "cpu" else ""))
+        + ("; capped at 256 for CPU debugging" if hardware == "cpu" else "") + why_context)
     seq = prompt_len + response_len
 
     # ---- memory layout

@@ -12,7 +12,7 @@ import dapo_trainer
 from dapo_trainer.tools import tune
 from dapo_trainer.config import load_config
 from dapo_trainer.trainer import DAPOTrainer
-from tests.trainer.tiny import micro_setup
+from tests.trainer.tiny import micro_setup, write_tiny_model
 
 PRESETS = os.path.join(os.path.dirname(dapo_trainer.__file__), "configs", "presets")
 
@@ -108,3 +108,12 @@ def test_memory_model_matches_cpu_peak():
             pred = train_memory(bench._model_config(*size), tokens, foreach=False)["peak"]
             measured = bench.run_case(size, tokens)
             assert abs(pred - measured) <= bench.TOLERANCE * measured, (size[0], tokens, pred, measured)
+
+
+def test_tuned_lengths_fit_the_models_context(tmp_path):
+    """Suggested prompt + response lengths never exceed the model's max_position_embeddings (which
+    the config refuses at load); the reason says they were cut."""
+    write_tiny_model(str(tmp_path / "model"))  # 256 positions; the CPU preset asks 256 + 256
+    v = {k: (x, why) for k, x, why in tune.tune("math", "cpu", str(tmp_path / "model"))}
+    assert v["data.max_prompt_length"][0] + v["data.max_response_length"][0] == 256
+    assert "max_position_embeddings 256" in v["data.max_response_length"][1]

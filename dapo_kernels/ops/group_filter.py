@@ -52,12 +52,10 @@ _TILE = 2048
 _CONTIG_WARPS = 16
 # Widest group the contiguous kernel reduces in one tile; wider groups use the atomics path.
 _MAX_CONTIG_GROUP = 4096
-# Order-preserving int64 keys of float64 values: flipping the 63 low bits of negatives
-# makes signed integer order equal float order, so min/max use integer atomics.
-_KEY_FLIP = 0x7FFFFFFFFFFFFFFF
+# Initial min / max of the order-preserving int64 keys of float64 values (_float_key: flipping the
+# 63 low bits of negatives makes signed integer order equal float order, so min/max use integer atomics).
 _KEY_MAX = 2**63 - 1
 _KEY_MIN = -(2**63)
-_FP64_MAX = 1.7976931348623157e308
 
 
 # --------------------------------------------------------------------------- kernels

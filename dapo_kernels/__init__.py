@@ -8,10 +8,11 @@ functions run in C++ on host integers, and ``DynamicBatchAccumulator`` is a Pyth
 """
 from ._registry import current_backend, install_backend_loaders, load_backends, registered_ops, use_backend
 from .balancing import attention_workload, balanced_partitions, micro_batches, pipeline_order
-from .ops.group_filter import GroupFilterResult, group_filter, overlong_penalty
+from .ops.group_filter import GroupFilterResult, group_filter
 from .ops.fused_linear_policy_loss import fused_linear_policy_loss
 from .ops.kl_penalty import KL_TYPES, kl_penalty
 from .ops.linear_log_probs import linear_log_probs
+from .ops.overlong_penalty import overlong_penalty
 from .ops.packing import pad_input, packed_position_ids, unpad_input
 from .ops.policy_loss import LOSS_AGG_MODES, policy_loss
 from .ops.varlen_attention import varlen_attention

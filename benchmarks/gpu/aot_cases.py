@@ -22,15 +22,17 @@ GROUP_SIZES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 3000, 4
 
 def jit_kernels() -> Dict[str, str]:
     """``{kernel name: module path under dapo_kernels/ops}`` for every ``@triton.jit`` function that a
-    launcher starts with ``kernel[grid](...)`` (the other jit functions are inlined helpers)."""
+    launcher starts with ``kernel[grid](...)`` (the other jit functions are inlined helpers). An op
+    package (a folder) is one unit: its kernels and launchers may sit in different files."""
     found = {}
-    for path in sorted(OPS_DIR.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        jitted = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-                  and any(ast.unparse(d).startswith("triton.jit") for d in f.decorator_list)}
-        launched = {n.func.value.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+    for unit in sorted(OPS_DIR.glob("*.py")) + sorted(p for p in OPS_DIR.iterdir() if p.is_dir()):
+        trees = {path: ast.parse(path.read_text()) for path in ([unit] if unit.is_file() else unit.rglob("*.py"))}
+        launched = {n.func.value.id for tree in trees.values() for n in ast.walk(tree) if isinstance(n, ast.Call)
                     and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)}
-        found.update({name: str(path.relative_to(OPS_DIR)) for name in sorted(jitted & launched)})
+        for path, tree in trees.items():
+            jitted = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                      and any(ast.unparse(d).startswith("triton.jit") for d in f.decorator_list)}
+            found.update({name: str(path.relative_to(OPS_DIR)) for name in sorted(jitted & launched)})
     return found
 
 

@@ -1,4 +1,6 @@
-"""Group-reward filtering on the device: DAPO dynamic sampling, GRPO advantages, overlong shaping.
+"""Group-reward filtering on the device: DAPO dynamic sampling, GRPO advantages.
+
+(DAPO's overlong shaping is :mod:`dapo_kernels.ops.overlong_penalty`.)
 
 ``group_filter`` does in one device pass, without host synchronisation, what verl does
 with Python loops over uid strings:
@@ -34,7 +36,7 @@ import triton.language as tl
 
 from .._alloc import empty_output
 from .._registry import dispatch, register
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_flag, check_float, check_int, check_tensor
+from .._validation import FLOAT_DTYPES, check_flag, check_float, check_int, check_tensor
 from ._triton_utils import cdiv, next_pow2
 
 # Elements per program of the atomics kernels (4 warps): coalesced loads, few atomics in flight.
@@ -50,12 +52,10 @@ _TILE = 2048
 _CONTIG_WARPS = 16
 # Widest group the contiguous kernel reduces in one tile; wider groups use the atomics path.
 _MAX_CONTIG_GROUP = 4096
-# Order-preserving int64 keys of float64 values: flipping the 63 low bits of negatives
-# makes signed integer order equal float order, so min/max use integer atomics.
-_KEY_FLIP = 0x7FFFFFFFFFFFFFFF
+# Initial min / max of the order-preserving int64 keys of float64 values (_float_key: flipping the
+# 63 low bits of negatives makes signed integer order equal float order, so min/max use integer atomics).
 _KEY_MAX = 2**63 - 1
 _KEY_MIN = -(2**63)
-_FP64_MAX = 1.7976931348623157e308
 
 
 # --------------------------------------------------------------------------- kernels
@@ -208,17 +208,6 @@ def _group_filter_contig_fwd_kernel(
     tl.atomic_add(p_flags + 1, tl.sum(tl.sum((m_x & ~m_fin).to(tl.int64), 1), 0))
 
 
-@triton.jit
-def _overlong_penalty_fwd_kernel(p_len, p_out, N, expected_len, buf, factor, BLOCK: tl.constexpr):
-    i_b = tl.program_id(0)
-    o_n = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m_n = o_n < N
-    b_l = tl.load(p_len + o_n, mask=m_n, other=0).to(tl.float64)
-    b_p = -(b_l - expected_len) / buf * factor
-    b_p = tl.where(b_p > 0, 0.0, b_p)  # min(p, 0) that keeps a NaN, as torch's clamp_max
-    tl.store(p_out + o_n, b_p.to(tl.float32), mask=m_n)
-
-
 # --------------------------------------------------------------------------- launchers
 def _alloc_outputs(n: int, g: int, device):
     return (
@@ -349,23 +338,6 @@ def _group_filter_torch(scores, group_index, num_groups, group_size, epsilon, no
     return _finish(outs, flags)
 
 
-@register("overlong_penalty", "triton")
-def _overlong_penalty_triton(lengths, expected_len, buf, factor):
-    out = empty_output(lengths.shape, dtype=torch.float32, device=lengths.device)
-    N = lengths.numel()
-    if N:
-        _overlong_penalty_fwd_kernel[(cdiv(N, _BLOCK),)](
-            lengths.contiguous(), out, N, float(expected_len), float(buf), float(factor), BLOCK=_BLOCK,
-            maxnreg=_MAX_REGS,
-        )
-    return out
-
-
-@register("overlong_penalty", "torch")
-def _overlong_penalty_torch(lengths, expected_len, buf, factor):
-    return (-(lengths.double() - expected_len) / buf * factor).clamp_max(0.0).float()
-
-
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("dapo::group_filter", mutates_args=())
 def _group_filter_op(
@@ -394,19 +366,6 @@ def _no_grad_backward(ctx, *grads):
 
 
 _group_filter_op.register_autograd(_no_grad_backward)
-
-
-@torch.library.custom_op("dapo::overlong_penalty", mutates_args=())
-def _overlong_penalty_op(lengths: torch.Tensor, expected_len: float, buf: float, factor: float) -> torch.Tensor:
-    return dispatch("overlong_penalty", lengths.device)(lengths, expected_len, buf, factor)
-
-
-@_overlong_penalty_op.register_fake
-def _(lengths, expected_len, buf, factor):
-    return lengths.new_empty(lengths.shape, dtype=torch.float32)
-
-
-_overlong_penalty_op.register_autograd(lambda ctx, grad: (None, None, None, None))
 
 
 # --------------------------------------------------------------------------- public API
@@ -512,30 +471,3 @@ def group_filter(
                            epsilon, norm_adv_by_std, min_std)
     return GroupFilterResult(*out[:6], *out[6].unbind())
 
-
-def overlong_penalty(
-    response_lengths: torch.Tensor,
-    max_response_length: int,
-    overlong_buffer_len: int,
-    penalty_factor: float = 1.0,
-) -> torch.Tensor:
-    """DAPO's soft overlong punishment, added to the reward of each response.
-
-    ``min(-(L - (max_response_length - overlong_buffer_len)) / overlong_buffer_len * penalty_factor, 0)``:
-    0 up to ``max_response_length - overlong_buffer_len`` tokens, then linear down to
-    ``-penalty_factor`` at ``max_response_length``.
-
-    Args:
-        response_lengths: ``[*]`` integer (or float) valid response lengths ``L``.
-        max_response_length, overlong_buffer_len: ints, ``0 < buffer <= max``.
-        penalty_factor: float >= 0.
-    Returns float32 of the shape of ``response_lengths`` (computed in float64); a NaN length gives
-    NaN, as torch's ``clamp_max`` does, on both backends.
-    """
-    check_tensor("response_lengths", response_lengths, dtypes=INT_DTYPES + FLOAT_DTYPES)
-    max_len = check_int("max_response_length", max_response_length, minimum=1)
-    buf = check_int("overlong_buffer_len", overlong_buffer_len, minimum=1)
-    if buf > max_len:
-        raise ValueError(f"overlong_buffer_len ({buf}) must be <= max_response_length ({max_len})")
-    factor = check_float("penalty_factor", penalty_factor, valid=_finite_nonnegative, expected="a finite number >= 0.0")
-    return _overlong_penalty_op(response_lengths.detach(), float(max_len - buf), float(buf), factor)

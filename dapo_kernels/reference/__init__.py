@@ -5,9 +5,10 @@ Import a reference from here, never from the op files.
 """
 from .balancing import karmarkar_karp_ref, micro_batch_count_ref, spread_of
 from .fused_linear_policy_loss import fused_linear_policy_loss_ref
-from .group_filter import group_filter_ref, overlong_penalty_ref
+from .group_filter import group_filter_ref
 from .kl_penalty import kl_penalty_ref
 from .linear_log_probs import linear_log_probs_ref
+from .overlong_penalty import overlong_penalty_ref
 from .packing import pad_input_ref, packed_position_ids_ref, unpad_input_ref
 from .policy_loss import agg_loss_ref, policy_loss_ref
 from .varlen_attention import varlen_attention_ref

@@ -62,11 +62,3 @@ def group_filter_ref(scores, group_index, num_groups: int, *, epsilon: float = 1
         group_keep[g], group_size[g], group_mean[g], group_std[g] = kept, len(idx), mean, std
     return keep, adv, group_keep, group_size, group_mean, group_std
 
-
-def overlong_penalty_ref(response_lengths, max_response_length: int, overlong_buffer_len: int,
-                         penalty_factor: float = 1.0):
-    """DAPO reward manager's soft overlong punishment, one Python float per response."""
-    expected = max_response_length - overlong_buffer_len
-    out = [min(-(float(L) - expected) / overlong_buffer_len * penalty_factor, 0.0)
-           for L in response_lengths.reshape(-1).tolist()]
-    return torch.tensor(out, dtype=torch.float64).reshape(response_lengths.shape)

@@ -1,4 +1,4 @@
-"""group_filter / overlong_penalty against verl's semantics written plainly, both backends.
+"""group_filter against verl's semantics written plainly, both backends.
 
 The reference (dapo_kernels.reference.group_filter) groups with a Python dict, decides
 the keep rule with ``np.std`` and computes advantages with ``torch.std`` per group, in
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dapo_kernels as dk
-from dapo_kernels.reference import group_filter_ref, overlong_penalty_ref
+from dapo_kernels.reference import group_filter_ref
 from tests.helpers import assert_equal, backend, case_id
 from tests.tolerance import assert_close_to_ref
 
@@ -241,31 +241,3 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dapo.group_filter.default, (scores, gi, 3, 0, EPS, True, 0.0),
                           test_utils=("test_schema", "test_faketensor"))
 
-
-# ----------------------------------------------------------------------------- overlong penalty
-OVERLONG = [("torch", torch.int64, (37,)), ("torch", torch.int32, (4, 9)), ("torch", torch.float32, (5,)),
-            ("triton", torch.int64, (1030,)), ("triton", torch.int32, (3, 7)), ("triton", torch.int64, (0,))]
-
-
-@pytest.mark.parametrize("be,dtype,shape", OVERLONG, ids=[case_id(be=b, dtype=d, N="x".join(map(str, s)))
-                                                          for b, d, s in OVERLONG])
-def test_overlong_penalty(be, dtype, shape):
-    max_len, buf, factor = 1000, 250, 1.5
-    lengths = torch.randint(0, max_len + 50, shape).to(dtype)  # a few beyond max: no clamp below
-    with backend(be):
-        pen = dk.overlong_penalty(lengths, max_len, buf, factor)
-    ref = overlong_penalty_ref(lengths, max_len, buf, factor)
-    assert pen.dtype == torch.float32 and pen.shape == lengths.shape
-    assert_close_to_ref(pen, ref, ref.float(), name="penalty")
-    assert (pen[lengths <= max_len - buf] == 0).all()
-
-
-def test_overlong_penalty_edges():
-    pen = dk.overlong_penalty(torch.tensor([750, 751, 875, 1000]), 1000, 250)
-    assert pen.tolist() == [0.0, pytest.approx(-1 / 250), -0.5, -1.0]
-    with pytest.raises(ValueError, match="overlong_buffer_len"):
-        dk.overlong_penalty(torch.tensor([1]), 10, 11)
-    with pytest.raises(ValueError, match="overlong_buffer_len must be >= 1"):
-        dk.overlong_penalty(torch.tensor([1]), 10, 0)
-    with pytest.raises(ValueError, match="penalty_factor"):
-        dk.overlong_penalty(torch.tensor([1]), 10, 5, -1.0)

@@ -17,7 +17,8 @@ import triton
 
 import dapo_kernels as dk
 import dapo_kernels.ops.varlen_attention as va
-from dapo_kernels.ops.varlen_attention import _work_list
+from dapo_kernels.ops.varlen_attention import tiles, triton_kernels
+from dapo_kernels.ops.varlen_attention.launch import _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import backend, case_id, cu_seqlens_from
 from tests.tolerance import assert_close_to_ref, max_abs_err, worst_of
@@ -350,9 +351,9 @@ def test_matches_padded_sdpa():
 
 
 # --------------------------------------------------------------------------- GPU tiles
-_TILE_PAIRS = sorted({(outer, inner) for by_d in va._GPU_TILES.values() for outer, cs in by_d.values()
+_TILE_PAIRS = sorted({(outer, inner) for by_d in tiles._GPU_TILES.values() for outer, cs in by_d.values()
                       for inner, _, _ in cs})
-_GPU_ONLY_PAIRS = [p for p in _TILE_PAIRS if p != (va._OUTER_BLOCK_INTERPRET, 16)]  # 32 / 16: every test
+_GPU_ONLY_PAIRS = [p for p in _TILE_PAIRS if p != (tiles._OUTER_BLOCK_INTERPRET, 16)]  # 32 / 16: every test
 
 
 def test_gpu_tiles_cover_every_head_dim_and_nest():
@@ -361,9 +362,9 @@ def test_gpu_tiles_cover_every_head_dim_and_nest():
     for kernel in ("fwd", "dkdv", "dq"):
         for arch in (90, 80):
             for dtype in va._DTYPES:
-                by_d = va._GPU_TILES[kernel, arch, dtype.itemsize]
-                assert set(va.TILE_HEAD_DIMS) <= set(by_d), (kernel, arch, dtype)
-    assert all(va._tile_dim(d) >= d for d in va.SUPPORTED_HEAD_DIMS) and va.TILE_HEAD_DIMS[-1] == 256
+                by_d = tiles._GPU_TILES[kernel, arch, dtype.itemsize]
+                assert set(tiles.TILE_HEAD_DIMS) <= set(by_d), (kernel, arch, dtype)
+    assert all(tiles._tile_dim(d) >= d for d in va.SUPPORTED_HEAD_DIMS) and tiles.TILE_HEAD_DIMS[-1] == 256
     assert all(outer % inner == 0 for outer, inner in _TILE_PAIRS), _TILE_PAIRS
 
 
@@ -372,9 +373,10 @@ def test_gpu_tile_shapes_match_reference(outer, inner, monkeypatch):
     """The interpreter runs 32 / 16 blocks; the GPU's (outer, inner) pairs of _GPU_TILES run
     here too, so a tile shape only the GPU uses (inner = outer, 4 or 8 inner steps per outer
     block) is proven on the CPU: sequences span several outer blocks, partial ones included."""
-    monkeypatch.setattr(va, "_OUTER_BLOCK_INTERPRET", outer)
-    for kernel, name in ((va._varlen_attention_fwd_kernel, "BLOCK_N"),
-                         (va._varlen_attention_bwd_dkdv_kernel, "BLOCK_M"), (va._varlen_attention_bwd_dq_kernel, "BLOCK_N")):
+    monkeypatch.setattr(tiles, "_OUTER_BLOCK_INTERPRET", outer)
+    for kernel, name in ((triton_kernels._varlen_attention_fwd_kernel, "BLOCK_N"),
+                         (triton_kernels._varlen_attention_bwd_dkdv_kernel, "BLOCK_M"),
+                         (triton_kernels._varlen_attention_bwd_dq_kernel, "BLOCK_N")):
         monkeypatch.setattr(kernel, "configs", [triton.Config({name: inner}, num_warps=1, num_stages=1)])
     lengths = [2 * outer + inner // 2 + 3, 0, 1, outer - 1, 5]
     for causal in (True, False):

@@ -3,10 +3,9 @@
 Sequences are bucketed by length (within 1.5x), each bucket gathered into a padded ``[n, S]``
 view with one index tensor and run through ``aten._scaled_dot_product_flash_attention_for_cpu``
 and its backward, which take grouped KV heads natively. The loop is over the few buckets, not
-over sequences; on a 12-sequence 16..768-token mix it matched a per-sequence SDPA loop and ran
-3-4x faster than one padded call (benchmarks/bench_varlen_attention.py). The lse is in natural
-log units, the unit these kernels produce and consume. The backward of 16-bit inputs runs in
-float32 (see :func:`_bwd_torch`).
+over sequences (timings against a per-sequence loop and one padded call: NOTES.md). The lse is in
+natural log units, the unit these kernels produce and consume. The backward of 16-bit inputs runs
+in float32 (see :func:`_bwd_torch`).
 
 A sliding window or soft-capping (which torch's fused kernel does not have) takes the same buckets
 through plain softmax attention instead (fp32; fp64 for fp32 inputs, see _MATH_DTYPES), query rows
@@ -19,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from .._alloc import empty_output
-from .._cache import per_tensor_cache
-from .._registry import register
+from ..._alloc import empty_output
+from ..._cache import per_tensor_cache
+from ..._registry import register
 
 # Sequences whose lengths differ by less than this factor share one padded SDPA call
 # (padding costs at most this factor in length; fewer, bigger calls).
@@ -29,12 +28,9 @@ _BUCKET_RATIO = 1.5
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Score elements per chunk of the math path (64 MiB of fp32 scores).
 _MATH_CHUNK = 1 << 24
-# Compute dtype of the math path per input dtype. fp32 inputs compute in fp64 (rounded once on the
-# way out): the CPU BLAS's fp32 error depends on the GEMM's shape and layout, and the math path's
-# grouped 5-D products ran a kernel 3.5x less accurate than the per-head 3-D one plain torch gets
-# (q @ k^T, D=192: 4.3e-5 vs 1.2e-5), which put soft-capped out / dQ / dK at up to 3-4.6x torch's
-# error on ~1 draw in 10. Cost: fwd+bwd 1.9x (0.43 -> 0.82 s, T=2048, 8/2 heads, D=128, softcap, 1
-# thread). 16-bit inputs keep fp32, whose rounding theirs dwarfs.
+# Compute dtype of the math path per input dtype: fp32 inputs compute in fp64, rounded once on the way
+# out, since the CPU BLAS's fp32 error depends on the GEMM's shape and layout (NOTES.md, "Torch path");
+# 16-bit inputs keep fp32, whose rounding theirs dwarfs.
 _MATH_DTYPES = {torch.float32: torch.float64}
 
 
@@ -207,12 +203,9 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     lse_nat = lse.t()
     math_dtype = _math_dtype(q.dtype)  # (of the inputs' own dtype, before the fp32 copies below)
     if q.dtype in _LOW_PRECISION:
-        # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's
-        # dK/dV in 16 bits): its errors reached 6x plain torch's in the same dtype (MHA as
-        # well as GQA, worst with causal MQA), where flash-attn's rule allows 3x. On fp32
-        # copies each gradient is rounded once, in _unpad_into (measured: <= 0.7x the rule's
-        # bound), and it is faster: fwd+bwd of bench_varlen_attention.py's batch went from
-        # 122 to 52 ms in bf16, 584 to 50 ms in fp16 (1 thread; fp32 itself 47 ms).
+        # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's dK/dV in
+        # 16 bits), beyond flash-attn's 3x rule; on fp32 copies each gradient is rounded once, in
+        # _unpad_into, and it runs faster (NOTES.md, "Torch path").
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
     plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):

@@ -1,0 +1,147 @@
+"""Launchers of the Triton kernels (the ``triton`` backend of ``varlen_attention_fwd`` / ``_bwd``) and
+the work lists they run over."""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ..._alloc import empty_output
+from ..._cache import per_tensor_cache
+from ..._registry import register
+from .._triton_utils import INTERPRET, cdiv
+from .tiles import _atomic_dq_offered, _block_d, _outer_block
+from .triton_kernels import (
+    _varlen_attention_bwd_delta_kernel,
+    _varlen_attention_bwd_dkdv_kernel,
+    _varlen_attention_bwd_dq_kernel,
+    _varlen_attention_fwd_kernel,
+)
+
+_LOG2E = 1.4426950408889634
+# Elements of the delta preprocess per program ([rows, D] tiles of O and dO, fp64, 8 warps): few
+# enough rows that the fp64 tiles do not spill.
+_DELTA_ELEMS = 4096
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# delta's dtype per input dtype. dS = P (dP - delta) cancels where a query's probability sits on one
+# key, so for fp32 inputs (DP_F64) dP is summed in fp64 and delta stays fp64, leaving no fp32 rounding
+# in the difference; 16-bit inputs' own rounding dwarfs the term (NOTES.md, "fp64 dP for fp32 inputs").
+_DELTA_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+
+
+def _dtype_meta(dtype: torch.dtype) -> dict:
+    """Constexprs every kernel takes: DOT_T is the ``tl.dot`` operand type (fp32 in the
+    interpreter, whose 3.9 version multiplies raw bits of 16-bit dot operands; exact since
+    16-bit products fit fp32), PREC keeps fp32 attention IEEE instead of silently TF32, and
+    INTERPRET selects the bf16 rounding fix of ``_cast``."""
+    return dict(DOT_T=tl.float32 if INTERPRET else _TL_DTYPES[dtype],
+                PREC="ieee" if dtype == torch.float32 else "tf32", INTERPRET=INTERPRET)
+
+
+@per_tensor_cache  # once per batch, not per layer
+def _work_list(cu_seqlens: torch.Tensor, total_tokens: int, block: int, causal: bool, per_key: bool,
+               longest_first: bool = True):
+    """int32 ``[n, 2]`` (sequence, block) pairs, built on the device without a host sync; with
+    ``longest_first`` the most expensive first (LPT), else in (sequence, block) order. Pass every
+    argument positionally: the cache is keyed on them.
+
+    ``n = cdiv(T, block) + B`` bounds the true count (sum of per-sequence ceilings); the
+    surplus rows are ``(-1, *)`` and come last, their programs exit at once. Cost = key
+    blocks a query block walks (causal: its index + 1) or, ``per_key``, query blocks a key
+    block walks (causal: blocks from it to the end); non-causal: the sequence's block count.
+    """
+    cu = cu_seqlens.long()
+    B = cu.numel() - 1
+    n = cdiv(total_tokens, block) + B
+    nblk = (cu[1:] - cu[:-1] + block - 1) // block
+    cum = torch.cumsum(nblk, 0)
+    item = torch.arange(n, device=cu.device)
+    seq = torch.searchsorted(cum, item, right=True).clamp_(max=max(B - 1, 0))
+    blk = item - (cum[seq] - nblk[seq])
+    if causal:
+        cost = nblk[seq] - blk if per_key else blk + 1
+    else:
+        cost = nblk[seq]
+    valid = item < cum[-1]
+    work = torch.stack([torch.where(valid, seq, -1), blk], 1)
+    if longest_first:
+        work = work[torch.argsort(torch.where(valid, cost, -1), descending=True, stable=True)]
+    return work.to(torch.int32).contiguous()
+
+
+def _mask_args(T: int, causal: bool, window_left: int, window_right: int, softmax_scale: float, softcap: float):
+    """Runtime scalars and constexprs of the score math: (qk_scale, cap, left, right) and LOCAL /
+    SOFTCAP. Unbounded window sides (-1) become T + 1, beyond any key; causal sets right = 0."""
+    left = T + 1 if window_left < 0 else window_left
+    right = 0 if causal else (T + 1 if window_right < 0 else window_right)
+    local = window_left >= 0 or (not causal and window_right >= 0)
+    if softcap > 0:
+        return (softmax_scale / softcap, softcap * _LOG2E, left, right), dict(LOCAL=local, SOFTCAP=True)
+    return (softmax_scale * _LOG2E, 1.0, left, right), dict(LOCAL=local, SOFTCAP=False)
+
+
+@register("varlen_attention_fwd", "triton")
+def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right, softcap,
+               longest_first: bool = True):
+    """``(out, base-2 lse)``; ``longest_first=False`` runs the work list in sequence order (for
+    benchmarks: the op always runs longest first)."""
+    q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
+    T, Hq, D = q.shape
+    out = empty_output(q.shape, dtype=q.dtype, device=q.device)
+    lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    block = _outer_block("fwd", q.dtype, D)
+    work = _work_list(cu_seqlens, T, block, causal, False, longest_first)
+    scalars, flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
+    _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
+        q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], *scalars,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype),
+    )
+    return out, lse
+
+
+def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    T, Hq, D = out.shape
+    delta = empty_output((Hq, T), dtype=_DELTA_DTYPES[out.dtype], device=out.device)
+    rows = min(32, _DELTA_ELEMS // _block_d(D))
+    _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, rows),)](
+        out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=rows, num_warps=8,
+    )
+    return delta
+
+
+@register("varlen_attention_bwd", "triton")
+def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right,
+               softcap, deterministic=True, longest_first: bool = True):
+    """``(dq, dk, dv)`` from the forward's base-2 ``lse``; ``longest_first`` as in :func:`fwd_triton`."""
+    dout, q, k, v, out, lse, cu_seqlens = (t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens))
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    dq = empty_output(q.shape, dtype=q.dtype, device=q.device)
+    dk = empty_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = empty_output(v.shape, dtype=v.dtype, device=v.device)
+    if T == 0:
+        return dq, dk, dv
+    delta = _launch_delta(out, dout)
+    (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
+    meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
+    meta["DP_F64"] = _DELTA_DTYPES[q.dtype] is torch.float64
+    scales = (qk_scale, softmax_scale, *masking)
+    atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
+    # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
+    dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+              ).zero_() if atomic else dq
+    block = _outer_block("dkdv_dq" if atomic else "dkdv", q.dtype, D)
+    work_kv = _work_list(cu_seqlens, T, block, causal, True, longest_first)
+    _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,
+        ATOMIC_DQ=atomic, **meta,
+    )
+    if atomic:
+        return (dq if dq_acc is dq else dq.copy_(dq_acc)), dk, dv
+    block = _outer_block("dq", q.dtype, D)
+    work_q = _work_list(cu_seqlens, T, block, causal, False, longest_first)
+    _varlen_attention_bwd_dq_kernel[(work_q.shape[0] * Hq,)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens, work_q, T, Hq, Hq // Hkv, *scales, BLOCK_M=block, **meta,
+    )
+    return dq, dk, dv

@@ -1,0 +1,120 @@
+"""GPU tile tables of the attention kernels: per (kernel, arch family, input element size) and head
+dim, the outer block (rows a program owns; its work list is built for it) and the (inner block,
+warps, stages) configs the autotuner times; every other config is pruned before launch.
+
+Every offered tile compiles without register spills and within the chip's shared memory, causal
+and not (benchmarks/gpu/aot.py; tests/test_aot_compile.py checks again). How each entry was
+chosen is in NOTES.md ("Tile tables").
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime import driver
+
+from .._triton_utils import INTERPRET
+
+# Outer block in the interpreter: small, so CPU tests cover several (and partial) blocks per sequence.
+_OUTER_BLOCK_INTERPRET = 32
+
+# Family 90 is Hopper, 80 every other chip (compiled for sm_80). 16-bit inputs on Hopper keep outer
+# blocks >= 64 (wgmma computes 64 rows per warpgroup) except where every such tile spills (dK/dV and dQ
+# at D = 256); fp32 inputs multiply in IEEE fp32 on the CUDA cores: small tiles. ptxas allocates per
+# head dim and per arch, hence one row per tabled head dim.
+_F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
+             **dict.fromkeys((96, 128), (64, ((16, 8, 2),))), 256: (16, ((16, 8, 3),))}
+_F32_FWD = {16: (64, ((32, 4, 2), (32, 8, 2))), **dict.fromkeys((32, 64), (64, ((16, 8, 2), (32, 8, 2)))),
+            **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 2),))}
+# 1 stage where 2 spilled: without the software pipeline ptxas keeps fewer registers live.
+_F32_DKDV = {16: (64, ((16, 4, 2),)), 32: (16, ((16, 8, 2),)), 64: (32, ((16, 8, 2),)), 96: (16, ((16, 8, 1),)),
+             128: (16, ((16, 8, 2),)), 256: (16, ((16, 8, 1),))}
+_F32_DQ = {16: (64, ((32, 4, 2), (32, 8, 2))), 32: (64, ((32, 8, 2),)), 64: (64, ((16, 8, 2),)),
+           **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 1), (16, 4, 1)))}
+# sm_80 allocates the fp32 dQ tiles differently: its 1-stage tiles spill at D = 96-256.
+_F32_DQ_80 = {**_F32_DQ, **dict.fromkeys((96, 128), (16, ((16, 8, 2),))), 256: (16, ((16, 4, 1),))}
+_SMALL_D = (128, ((64, 4, 3), (64, 8, 3), (128, 8, 3)))
+_GPU_TILES = {
+    ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
+                     **dict.fromkeys((96, 128), (128, ((64, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
+                     **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+    ("dkdv", 90, 2): _F16_DKDV,
+    ("dkdv", 80, 2): _F16_DKDV,
+    ("dq", 90, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3), (128, 8, 3))), 64: (128, ((32, 4, 3), (64, 8, 3))),
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
+    ("dq", 80, 2): {16: _SMALL_D, **dict.fromkeys((32, 64), (128, ((32, 8, 3), (64, 8, 3)))),
+                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
+    ("fwd", 90, 4): _F32_FWD,
+    ("fwd", 80, 4): _F32_FWD,
+    ("dkdv", 90, 4): _F32_DKDV,
+    ("dkdv", 80, 4): _F32_DKDV,
+    ("dq", 90, 4): _F32_DQ,
+    ("dq", 80, 4): _F32_DQ_80,
+    # dK/dV with dQ added by atomics (deterministic=False) also holds a dQ tile and its addresses:
+    # rows only where that compiles without spills; elsewhere the dQ kernel runs instead.
+    ("dkdv_dq", 90, 2): {d: _F16_DKDV[d] for d in (16, 32, 64)},
+    ("dkdv_dq", 80, 2): {d: _F16_DKDV[d] for d in (32, 64)},
+    # fp32: D = 32 only, since dP is summed in fp64 (_dot_f64), whose tiles spill at larger D.
+    ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
+    ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
+}
+# The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
+TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+_ARCH_FAMILY = {}
+
+
+def _arch_family() -> int:
+    """90 on Hopper, else 80: the _GPU_TILES family of the GPU Triton compiles for."""
+    device = driver.active.get_current_device()
+    if device not in _ARCH_FAMILY:
+        _ARCH_FAMILY[device] = 90 if driver.active.get_current_target().arch == 90 else 80
+    return _ARCH_FAMILY[device]
+
+
+def _tile_dim(head_dim: int) -> int:
+    """The _GPU_TILES row of a head dim: the smallest tabled one >= it (same BLOCK_D; 96 is
+    tabled apart from 128 because ptxas allocates them differently)."""
+    return next(d for d in TILE_HEAD_DIMS if d >= head_dim)
+
+
+def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
+    """(outer block, ((inner block, warps, stages), ...)) of ``kernel`` for these inputs on this GPU."""
+    return _GPU_TILES[kernel, _arch_family(), dtype.itemsize][_tile_dim(head_dim)]
+
+
+def _inner_configs(kernel: str, name: str):
+    """Autotune space of the inner (streamed) block ``name``: every config _GPU_TILES has for
+    ``kernel`` (each launch is pruned to its own); the interpreter gets one small config
+    (autotuning interpreted kernels would run every config on the CPU)."""
+    if INTERPRET:
+        return [triton.Config({name: 16}, num_warps=1, num_stages=1)]
+    tiles = {c for (k, _, _), by_d in _GPU_TILES.items() if k.split("_")[0] == kernel
+             for _, cs in by_d.values() for c in cs}
+    return [triton.Config({name: bn}, num_warps=w, num_stages=s) for bn, w, s in sorted(tiles)]
+
+
+def _prune(kernel: str, name: str) -> dict:
+    """``prune_configs_by``: keep the configs _GPU_TILES lists for this launch's arch, dtype and
+    head dim. The autotune key holds all three (HEAD_DIM, DOT_T; one arch per process)."""
+    def early_config_prune(configs, named_args, **kwargs):
+        if INTERPRET:
+            return configs
+        tiles = kernel + "_dq" if kwargs.get("ATOMIC_DQ") else kernel  # dK/dV with atomic dQ: its own
+        offered = _tiles(tiles, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
+        return [c for c in configs if (c.kwargs[name], c.num_warps, c.num_stages) in offered]
+    return {"early_config_prune": early_config_prune}
+
+
+def _outer_block(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
+    return _OUTER_BLOCK_INTERPRET if INTERPRET else _tiles(kernel, dtype, head_dim)[0]
+
+
+def _atomic_dq_offered(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether dQ by atomics (deterministic=False) has a tile for these inputs on this GPU: where
+    none compiles without spills (_GPU_TILES has no "dkdv_dq" row), the dQ kernel runs instead."""
+    return INTERPRET or _tile_dim(head_dim) in _GPU_TILES["dkdv_dq", _arch_family(), dtype.itemsize]
+
+
+def _block_d(head_dim: int) -> int:
+    """The kernels' head-dim block: the next power of two, >= 16 (tl.dot's minimum); columns past D masked."""
+    return max(16, triton.next_power_of_2(head_dim))

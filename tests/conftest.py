@@ -18,6 +18,11 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 import pytest
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import interpreter_dot
+
+    interpreter_dot.install()
+
 # One session seed, printed in the header: fixed so every run draws the same inputs; another
 # draw is DAPO_TEST_SEED=<n> (`make test-seeds` sweeps several over the tests marked seed_sweep).
 DEFAULT_SEED = 0

@@ -10,9 +10,9 @@
   with a bool attention mask and a 1-wide input_ids (so its time is its index logic plus
   one small index_select, not a copy of padded activations).
 
-* micro-batch scaling (issue 16): ours alone at n = 1e4, 1e5, 1e6, uniform lengths
+* micro-batch scaling: ours alone at n = 1e4, 1e5, 1e6, uniform lengths
   1..20,000 under a 20,000-token cap (about two sequences a micro-batch, the adversarial
-  case: the count search used to go quadratic) and log-normal lengths under caps 24,576 and
+  case for the count search) and log-normal lengths under caps 24,576 and
   65,536. Near-linear growth is the point; the 1e6 rows run once.
 
 Quality goes into each row's extra_info (spread = max - min partition sum; count, max

@@ -8,7 +8,7 @@ passing by luck with whatever memory held.
 
 :func:`cpu_bulk_output` allocates large CPU outputs on transparent huge pages: a fresh
 1 GiB ``torch.empty`` on the CPU costs ~262k page faults on first touch, which dominate
-a copy like packing (measured 3x); 2 MiB pages cut that 512-fold. Anonymous mappings
+a copy like packing (benchmarks/bench_packing.py); 2 MiB pages cut that 512-fold. Anonymous mappings
 are zero-filled by the kernel, so a zeroed output costs no extra pass either.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torch.compile and torch.library.opcheck over every public op (issue 19 item 4).
+"""torch.compile and torch.library.opcheck over every public op.
 
 * Every case of tests/op_cases.py (and unpad -> pad, flash_attn_varlen_func) compiles with
   ``fullgraph=True`` under ``aot_eager`` and gives bit-identical outputs and gradients to eager; a

@@ -2,8 +2,7 @@
 (``DEVICE_RUN_TOY=1``: checks at toy sizes under the Triton interpreter, a small AOT set) and
 writes its JSON and markdown table: wheels shipped beside the checkout are installed and seen by
 the checks (one pip refuses is recorded and blocks no other), the commit passed in is recorded, and
-a check that outlives its time limit is killed and reported while the checks after it still run
-(issue 29)."""
+a check that outlives its time limit is killed and reported while the checks after it still run."""
 import base64
 import hashlib
 import json

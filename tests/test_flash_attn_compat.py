@@ -1,4 +1,4 @@
-"""dapo_kernels.flash_attn_compat (issue 19 item 3): flash-attn's names, signature, defaults and
+"""dapo_kernels.flash_attn_compat: flash-attn's names, signature, defaults and
 return conventions on dk.varlen_attention / the packing ops, and clear errors for what is missing."""
 import inspect
 

@@ -1,4 +1,4 @@
-"""Issue 30 items 13 and 15: the integrations reject bad arguments naming them (apply_dapo_kernels'
+"""The integrations reject bad arguments naming them (apply_dapo_kernels'
 model and per-token tensors, integrations.verl.apply() without ray) and flash_attn_compat takes a
 tensor window_size, as flash-attn's own tests pass one."""
 import sys

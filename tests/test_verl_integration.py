@@ -1,4 +1,4 @@
-"""dapo_kernels.integrations.verl (issue 19 item 4): verl-signature functions against verl's own,
+"""dapo_kernels.integrations.verl: verl-signature functions against verl's own,
 and apply() / revert() patching a verl 0.9 installation.
 
 verl is a test-only peer (not in requirements-dev.txt: importing it needs ray, a heavy install).

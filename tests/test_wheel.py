@@ -1,4 +1,4 @@
-"""The package as users get it (issue 19 item 5): build the wheel, install it into a fresh venv and
+"""The package as users get it: build the wheel, install it into a fresh venv and
 import from it, away from the source tree, then run the demo from it. Slow (compiles
 dapo_kernels._C): marked ``wheel``."""
 import re

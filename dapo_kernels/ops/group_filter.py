@@ -40,14 +40,13 @@ from .._validation import FLOAT_DTYPES, check_flag, check_float, check_int, chec
 from ._triton_utils import cdiv, next_pow2
 
 # Elements per program of the atomics kernels (4 warps): coalesced loads, few atomics in flight.
-# Their launches give ptxas a register budget (maxnreg): left to pick one from the block size,
-# ptxas 13 aims below what the float64 math needs and spills a few bytes (at 1024 elements on
-# sm_80, at 512 on sm_90; benchmarks/gpu/aot.py). Within 128 it allocates 40-90, no spills.
+# Their launches give ptxas a register budget (maxnreg): the one it picks from the block size is
+# below what the float64 math needs, so it spills; within 128 nothing spills (benchmarks/gpu/aot.py).
 _BLOCK = 512
 _MAX_REGS = 128
 # Elements per program of the contiguous kernel's [groups, members] tile, over 16 warps: 4 float64
-# values (plus int64 keys and per-group sums) per thread. 4096 over 8 warps spilled for groups of
-# 2 to 16 members (the per-group vectors of 512+ groups), 4096 over 16 warps still for 2 to 8.
+# values (plus int64 keys and per-group sums) per thread, the largest tile whose per-group vectors
+# do not spill for narrow groups (many groups per tile; benchmarks/gpu/aot.py).
 _TILE = 2048
 _CONTIG_WARPS = 16
 # Widest group the contiguous kernel reduces in one tile; wider groups use the atomics path.

@@ -122,8 +122,8 @@ def _first_position_reaching(count: torch.Tensor, n: int) -> torch.Tensor:
 
 @register("scatter_rows", "torch")
 def _scatter_rows_torch(x: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    # Zero fill + index_copy_ measured fastest (vs index_put_, a zero-row gather, and copy +
-    # index_fill_ of the complement); on the CPU the zeros come free with a fresh huge-page mapping.
+    # Zero fill + index_copy_: faster than index_put_, a zero-row gather, or copy + index_fill_ of
+    # the complement (benchmarks/bench_packing.py); on the CPU a fresh huge-page mapping is already zero.
     if x.device.type != "cpu":
         return x.new_zeros((num_rows, x.shape[1])).index_copy_(0, indices, x)
     return cpu_bulk_output((num_rows, x.shape[1]), dtype=x.dtype, zeroed=True).index_copy_(0, indices, x)

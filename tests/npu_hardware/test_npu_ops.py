@@ -6,7 +6,7 @@ Skipped, with the reason printed in pytest's summary, unless ``torch_npu`` impor
     pip install torch_npu==<the build matching torch> && source /usr/local/Ascend/ascend-toolkit/set_env.sh
     python -m pytest tests/npu_hardware -v -rs
 
-Tolerances follow the project rule (tests/helpers.py): at most 2x the error plain torch
+Tolerances follow the project rule (tests/tolerance.py): at most 2x the error plain torch
 makes in the same dtype, computed here on the CPU.
 """
 import math

@@ -210,8 +210,8 @@ FAST_LIMIT_S = 5
 
 
 def test_micro_batches_200k_uniform_finishes_fast():
-    """Issue 16 item 15: uniform lengths 1..20,000 under a 20,000-token cap slowed down
-    superlinearly (KK's merges shifted O(k) groups each: O(n * k) with k ~ n / 2). The call
+    """Uniform lengths 1..20,000 under a 20,000-token cap (k ~ n / 2 micro-batches, the
+    adversarial case for Karmarkar-Karp's merges) finish in near-linear time. The call
     runs in a fresh interpreter that faulthandler ends after FAST_LIMIT_S, so a slow build
     fails in seconds instead of hanging the suite."""
     seed = int(np.random.randint(2**31))
@@ -292,8 +292,8 @@ def test_micro_batches_errors(kwargs, match):
     ids=["min-int64-max", "multiple-int64-max", "min-n+1", "multiple-n+1", "min-past-int64", "rounded-past-n"],
 )
 def test_micro_batches_count_bounds(kwargs, match):
-    """Issue 16 item 6: counts near 2^63 overflowed the C++ rounding (5 or 10 batches came
-    back). A count above n is an error naming the argument, never clamped: verl's
+    """Counts near 2^63 (past the C++ rounding's range) and counts above n are errors naming
+    the argument, never clamped: verl's
     rearrange_micro_batches asserts num_micro_batches <= batch size, and a clamped count
     would give this rank fewer micro-batches than its data-parallel peers wait for."""
     seqlens = [5] * 10

@@ -25,6 +25,6 @@ def test_kl_penalty_matches_verl(kl_type):
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
 def test_non_float_ref_log_prob_rejected(dtype):
-    """Issue 16 item 5: an integer or bool ref_log_prob is a mix-up, not a log-prob."""
+    """An integer or bool ref_log_prob is a mix-up, not a log-prob: rejected naming it."""
     with pytest.raises(ValueError, match="ref_log_prob"):
         dk.kl_penalty(torch.randn(5), torch.ones(5, dtype=dtype))

@@ -1,4 +1,4 @@
-"""Masks as verl passes them (issue 19 item 1): every op that takes a mask accepts bool, integer and
+"""Masks as verl passes them: every op that takes a mask accepts bool, integer and
 float 0 / 1 with the same result, and rejects a float mask holding another value on the device
 (``torch._assert_async``: a RuntimeError naming the argument, no host read)."""
 import math

@@ -1,4 +1,4 @@
-"""NaN / +inf / -inf in every float input of every public op, on both backends (issue 16 item 3).
+"""NaN / +inf / -inf in every float input of every public op, on both backends.
 
 For each op, each float input and each of NaN, +inf, -inf (at a position a mask selects and at one
 it selects away, where the op has a mask), the two backends must agree: the same NaN, +inf and -inf

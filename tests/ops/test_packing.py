@@ -217,7 +217,7 @@ def test_pad_bad_input(indices, batch, seqlen, exc, msg):
 @pytest.mark.parametrize("dup", [[0, 4, 0], [9, 2, 9], [5, 5, 5], [3, 1, 1]], ids=lambda d: case_id(idx=d))
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=lambda d: case_id(dtype=d))
 def test_pad_duplicate_indices_rejected(bk, dup, idx_dtype):
-    """Issue 16 item 8: a repeated position has no defined result (which row lands there, and
+    """A repeated position has no defined result (which row lands there, and
     which gets the gradient): rejected before the forward, so no graph or output is made."""
     xu = torch.randn(3, 2, requires_grad=True)
     indices = torch.tensor(dup, dtype=idx_dtype)

@@ -138,7 +138,7 @@ def test_integer_mask_equals_bool_mask():
     ("clip-low-ge-1", ValueError, dict(clip_ratio_low=1.0)),
     ("cu-seqlens-with-2d", ValueError, dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32))),
     ("negative-num-tokens", ValueError, dict(num_tokens=-1)),
-    # Issue 16 item 5: NaN / inf / 0 where the loss would be NaN or ~1e30.
+    # NaN / inf / 0 where the loss would be NaN or ~1e30: rejected before any kernel runs.
     ("nan-clip-high", ValueError, dict(clip_ratio_high=math.nan)),
     ("nan-clip-c", ValueError, dict(clip_ratio_c=math.nan)),
     ("nan-num-tokens", ValueError, dict(num_tokens=math.nan)),

@@ -2,9 +2,9 @@
 (a slice of a bigger tensor) and, where a valid input can have that shape, an expanded stride-0
 tensor. The result must be identical to the same call on a contiguous copy of the same values:
 a launcher makes each kernel argument contiguous (or the kernel addresses it through its strides),
-so the same kernel runs on the same values. Issue 16 items 1 and 2: non-contiguous ``labels``
-gave wrong log-probs / dH on Triton, and a non-contiguous ``indices`` a wrong ``pad_input``
-gradient.
+so the same kernel runs on the same values (a kernel indexing a non-contiguous ``labels`` or
+``indices`` as if contiguous would read other elements: wrong log-probs, dH or ``pad_input``
+gradient).
 """
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def test_matches_reference(impl, D, Hq, Hkv, causal, dtype, kind):
         assert_close_to_ref(g, r, t, name=name)
 
 
-# Issue 19: sliding window (flash-attn's window_size), soft-capping (Gemma 2) and head dims that
+# Sliding window (flash-attn's window_size), soft-capping (Gemma 2) and head dims that
 # are multiples of 8 but not powers of two (the kernels mask the columns of the next block).
 # (D, Hq, Hkv, causal, dtype, lengths, window_size, softcap). Plain torch in the dtype for the
 # tolerance is the naive reference only: torch's SDPA has neither soft-capping nor windows.
@@ -216,12 +216,11 @@ def test_window_softcap_head_dims_match_reference(impl, D, Hq, Hkv, causal, dtyp
     ref = _ref(q, k, v, cu, causal, None, dout, torch.float64, **kw)
     # Torch's error: its naive softmax, and without soft-capping (which SDPA lacks) also SDPA with
     # the window in its mask. The flash-style backward computes delta = dO . O (O rounded): its
-    # rounding reaches dq as delta_err * sum_j p_j k_j, which no longer cancels when a query
-    # sees 2 keys (window (1, -1)); naive softmax's backward sums p * dP from the same p and
-    # lacks that term, so alone it understated what torch's own flash kernel does.
-    # With soft-capping (SDPA has none) torch's ways are the naive softmax in the dtype and the flash
-    # kernels' algorithm (_flash_style): in fp16 the rounded O in delta put dQ at 5x the naive
-    # error on ~1 draw in 60 (D=200, a query seeing 2 keys).
+    # rounding reaches dq as delta_err * sum_j p_j k_j, which does not cancel when a query sees
+    # 2 keys (window (1, -1)); naive softmax's backward sums p * dP from the same p and lacks that
+    # term, so the naive way alone understates what torch's own flash kernel does. With
+    # soft-capping (SDPA has none) torch's ways are therefore the naive softmax in the dtype and
+    # the flash kernels' algorithm (_flash_style).
     if softcap:
         ways = (_ref(q, k, v, cu, causal, None, dout, dtype, **kw), _flash_style(q, k, v, cu, causal, None, dout, **kw))
         low = worst_of(ways, ref)

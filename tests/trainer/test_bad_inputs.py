@@ -1,4 +1,4 @@
-"""Issue 30: bad inputs to the trainer's readers, reward checks, checkpoints and diagnostics CLIs fail
+"""Bad inputs to the trainer's readers, reward checks, checkpoints and diagnostics CLIs fail
 at once with an error naming the file (and line), the row, the key or the reward function; the CLIs
 print one line (no traceback) unless ``--debug``."""
 import json

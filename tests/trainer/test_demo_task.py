@@ -181,10 +181,10 @@ def test_dialog_main_job_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_dialog_warm_start_looks_up_but_guesses(tmp_path):
-    """What makes the dialogue demo learnable (issue 20): the warm-started model answers right once
-    the order number is in context (so asking pays), yet greedily guesses at once (so held-out
-    success starts low), and samples the question often enough for DAPO to find it. The first
-    demo's warm start answered at chance after asking, and RL left held-out success unchanged."""
+    """What makes the dialogue demo learnable: the warm-started model answers right once the order
+    number is in context (so asking pays), yet greedily guesses at once (so held-out success starts
+    low), and samples the question often enough for DAPO to find it. A warm start that answers at
+    chance after asking gives RL nothing to learn."""
     import torch
 
     from dapo_trainer.data import load_rows, load_tokenizer

@@ -1,4 +1,4 @@
-"""The update side of multi-turn training (issue 20): the micro-batch token cap scaled by the
+"""The update side of multi-turn training: the micro-batch token cap scaled by the
 batch's dialogue turns (``actor.dynamic_token_len``) and its utilisation, and old / reference
 log-probs projected onto the vocabulary only where the response mask is set."""
 import random

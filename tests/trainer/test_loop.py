@@ -14,7 +14,7 @@ from dapo_trainer.actor import Actor
 from dapo_trainer.trainer import DAPOTrainer, NonFiniteTrainingError
 from tests.trainer.tiny import ZERO_REWARD, micro_setup
 
-# Every metric issue 9 names (and the kernel issues' pg_clipfrac_lower / ppo_kl).
+# The metrics every training step logs (verl's names where verl has one).
 REQUIRED = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
             "actor/grad_norm", "response_length/mean", "response_length/max", "response_length/clip_ratio",
             "train/num_gen_batches", "train/kept_groups", "train/seen_groups", "train/keep_rate",

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (issue 20): masks exclude every environment token (random dialogues, with
+"""Multi-turn rollouts: masks exclude every environment token (random dialogues, with
 and without a chat template), the fused loss on a multi-turn batch equals a float64 reference that
 applies the mask, environment errors name the environment and the conversation without losing the
 other samples, environments load by file and dotted path, and a micro run trains through one."""

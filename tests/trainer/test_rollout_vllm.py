@@ -30,7 +30,7 @@ CFG = dict(vocab_size=V, hidden_size=128, intermediate_size=256, num_layers=2, n
 
 
 # Tied embeddings (Qwen2.5-0.5B, Llama 3.2 tie them; Qwen2 also has q/k/v biases): vLLM's
-# in-place reload once left its lm_head on the old embedding.
+# in-place reload skips a tied lm_head, so update_weights must rebuild it.
 TIED = dict(tie_word_embeddings=True, qkv_bias=True, model_type="qwen2")
 
 
@@ -109,7 +109,7 @@ def test_update_weights_changes_outputs(engine, policy):
         engine.update_weights(stepped)
         after = engine.generate(prompts, 1, 12, temperature=0.0)
         assert torch.equal(after.response_ids, want.response_ids)
-        # Every weight followed, the tied lm_head too: fp32 noise (the old tied head: 0.8-1 nats).
+        # Every weight followed, the tied lm_head too: only fp32 noise (a stale head is ~1 nat off).
         _assert_log_probs_agree(f"vllm after update_weights (tied={policy.config.tie_word_embeddings})", stepped,
                                 engine.generate(prompts, 2, 12, seed=3), 1.0, max_diff=1e-4)
         assert sorted(os.listdir(engine.test_dir)) == ["config.json"], "weights went through files"
@@ -165,7 +165,7 @@ def _rank_engine(rank: int, root: str):
 @pytest.mark.multiproc
 def test_engine_per_rank_keeps_the_callers_process_group(tmp_path):
     """Under torchrun each rank runs its engine in-process, on top of the trainer's process group;
-    vLLM's shutdown used to destroy that group."""
+    the engine's shutdown leaves that group alive."""
     import datetime
 
     from tests.helpers import spawn_process_group

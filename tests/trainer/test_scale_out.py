@@ -55,7 +55,7 @@ def test_audit_rejects_host_tensors_on_a_simulated_accelerator():
             dist.all_reduce(torch.zeros(2))
         with pytest.raises(AssertionError, match="host tensor"):
             dist.all_reduce(torch.zeros(2, device=collective_device()).cpu() + 1)
-        # It used to all-reduce a host tensor unless the backend was nccl (hccl forgotten).
+        # On any accelerator backend (not only nccl) the scale is all-reduced as a device tensor.
         assert global_mean_scale(4) == 0.25
     assert audit.counts()[("", "all_reduce")] == 5
 

@@ -1,4 +1,4 @@
-"""What the trainer does with a user's inputs that used to go silently wrong: the row's extra_info
+"""What the trainer does with a user's inputs that could go silently wrong: the row's extra_info
 reaches the reward function, a checkpoint of another model is refused, data.val_max_samples=-1
 keeps every row, a failed start leaves the metrics file alone, and what a run used is recorded."""
 import json

@@ -8,7 +8,7 @@ end-of-text token, and the demo checker
 The default is sorting: a 2-layer model learns it fast enough on a CPU that a short
 warm start lands in the middle of its learning curve (partly right, so RL gets groups
 with both right and wrong answers). Multi-digit addition learns too slowly for the
-10-minute budget (benchmarks/RESULTS.md, "Demo").
+10-minute budget (benchmarks/RESULTS.md, "Design figures moved from code comments").
 
 The held-out evaluation set is drawn from its own seed and every problem in it is
 excluded from the training stream, so "held-out accuracy" is measured on problems the

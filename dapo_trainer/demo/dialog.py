@@ -25,8 +25,8 @@ that a 2-layer model does not form in a short warm start, and a lookup answered 
 makes asking pay nothing. Order numbers that are the line numbers, fixed-width lines and an
 answer that quotes the line (so the number sits right before the status to copy) make the
 lookup a position the number selects, which the same model learns within the warm start
-(benchmarks/RESULTS.md, "Demo"). The transcripts are learned whole (``transcript_loss``),
-table and user turns too.
+(figures: benchmarks/RESULTS.md, "Design figures moved from code comments"). The transcripts
+are learned whole (``transcript_loss``), table and user turns too.
 
 The tokenizer is character-level with role tokens ``<s>``, ``<u>``, ``<a>`` and a chat
 template in ``tokenizer_config.json``, so the trainer renders the dialogues through its

@@ -4,7 +4,8 @@ import torch
 
 import dapo_kernels as dk
 from dapo_kernels.reference import overlong_penalty_ref
-from tests.helpers import assert_close_to_ref, backend, case_id
+from tests.helpers import backend, case_id
+from tests.tolerance import assert_close_to_ref
 
 OVERLONG = [("torch", torch.int64, (37,)), ("torch", torch.int32, (4, 9)), ("torch", torch.float32, (5,)),
             ("triton", torch.int64, (1030,)), ("triton", torch.int32, (3, 7)), ("triton", torch.int64, (0,))]

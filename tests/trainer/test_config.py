@@ -10,7 +10,7 @@ from dapo_trainer.config import Config, all_keys, dump_config, load_config
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "dapo_trainer", "configs")
 
-# Every key issue 9 names, spelled as verl spells it.
+# The verl keys a DAPO run sets, spelled as verl spells them.
 ISSUE_KEYS = """data.train_batch_size data.gen_batch_size data.max_prompt_length data.max_response_length
 data.train_files data.val_files actor_rollout_ref.model.path actor_rollout_ref.rollout.name
 actor_rollout_ref.rollout.n actor_rollout_ref.rollout.temperature actor_rollout_ref.rollout.top_p
@@ -130,7 +130,7 @@ def test_dapo_recipe_values():
 
 @pytest.mark.parametrize("name", DIALOG_TEMPLATES)
 def test_dialog_templates(name):
-    """The multi-turn templates (issue 20): an environment, the dialogue reward with the relevance /
+    """The multi-turn templates: an environment, the dialogue reward with the relevance /
     coherence scorers, the thresholded filter, and each target's parallel / device settings."""
     cfg = load_config(os.path.join(CONFIG_DIR, name))
     a, r, fg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm.filter_groups
@@ -159,7 +159,7 @@ def test_dialog_templates(name):
         assert not [k for k in all_keys() if "remove_padding" in k]
 
 
-# --------------------------------------------------------------------------- issue 16 item 9: float values
+# --------------------------------------------------------------------------- float values
 def _float_leaves():
     """(key as the error names it, ``key=value`` override template) of every float leaf of Config,
     found from the dataclasses' type hints (not from config.py's own walk)."""
@@ -249,7 +249,7 @@ def test_clip_ratio_keys_use_the_loss_ops_rules():
         assert _field(f"actor_rollout_ref.actor.{name}").metadata["range"] is rule
 
 
-# --------------------------------------------------------------------------- issue 16 item 9: duplicate keys
+# --------------------------------------------------------------------------- duplicate keys
 @pytest.mark.parametrize("text,key,line", [
     ("data:\n  train_batch_size: 4\n  train_batch_size: 8\n", "train_batch_size", 3),
     ("data:\n  train_batch_size: 4\ntrainer:\n  seed: 2\ndata:\n  max_response_length: 8\n", "data", 5),

@@ -1,4 +1,4 @@
-"""Start-up checks of the config (issue 30 items 4, 5, 8, 9, 14): verl command lines port, every bad
+"""Start-up checks of the config: verl command lines port, every bad
 value is caught at load naming its dotted key, lengths are checked against the model's context."""
 from __future__ import annotations
 

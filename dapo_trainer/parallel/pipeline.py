@@ -94,6 +94,36 @@ def split_model(model: Transformer, pp_rank: int, pp: int, v: int = 1) -> List[S
     return [StageChunk(model, ranges[s], first=s == 0, last=s == n - 1) for s in mine]
 
 
+def apply_pipeline(model: Transformer, dims, *, fsdp: bool) -> Transformer:
+    """Split ``model`` (already tensor parallel) into this rank's stages, ``model.pipeline_chunks``;
+    under ``fsdp`` with several DP ranks each decoder layer and each stage is an FSDP2 unit."""
+    model.pipeline_chunks = split_model(model, dims.pp_rank, dims.pp, dims.vpp)
+    if fsdp and dims.grad_ranks > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for chunk in model.pipeline_chunks:
+            for layer in chunk.layers.values():
+                fully_shard(layer, mesh=dims.grad_mesh, mp_policy=mp)
+            # The root stays gathered from forward to backward: the loss reads lm_head.weight after it.
+            fully_shard(chunk, mesh=dims.grad_mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def build_pipeline(model: Transformer, dims, *, ddp: bool, max_seqs: int) -> "Pipeline":
+    """The :class:`Pipeline` of a model split by :func:`apply_pipeline`; ``ddp``: each stage wrapped
+    in torch's DDP over the gradient ranks (the stage runs it: no_sync but in the last backward)."""
+    chunks = model.pipeline_chunks
+    modules = list(chunks)
+    if ddp:
+        from .data import apply_ddp
+
+        modules = [apply_ddp(c, dims.grad_group) for c in chunks]
+    p = next(model.parameters())
+    return Pipeline(chunks, modules, pp_rank=dims.pp_rank, pp=dims.pp, v=dims.vpp, group=dims.pp_group,
+                    device=p.device, max_seqs=max_seqs, hidden_size=model.config.hidden_size, dtype=p.dtype)
+
+
 def tied_parameter(model: Transformer) -> Optional[nn.Parameter]:
     """The parameter of a tied embedding this rank holds under PP (the embedding or its copy)."""
     if not model.config.tie_word_embeddings:
@@ -218,3 +248,19 @@ def pp_clip_grads(model: Transformer, clip: float, *, pp_group, tp_group=None, d
     for g in grads:
         g.mul_(coef.to(g.device))
     return norm
+
+
+def pipeline_state_dict(model: Transformer, dims) -> dict:
+    """The whole model's unsharded ``state_dict`` on every rank (collective): each stage's
+    (:func:`~.tensor.full_state_dict`: TP and FSDP2 shards gathered) all-gathered over the
+    pipeline group; HF names, as without PP."""
+    from .tensor import full_state_dict
+
+    local = {k: v.cpu() for k, v in full_state_dict(model).items()}
+    parts = [None] * dims.pp
+    dist.all_gather_object(parts, local, group=dims.pp_group)
+    full = {}
+    for part in parts:
+        full.update(part)
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in full.items()}

@@ -40,7 +40,9 @@ SCENARIOS_4 = {
 EXACT = ("critic/rewards/mean", "acc/mean", "response_length/mean", "train/gen_tokens", "actor/num_updates")
 CLOSE = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac")
 RTOL, ATOL = 1e-5, 1e-7
-WEIGHT_ATOL = 1e-6  # lr 1e-3 Adam steps: a reduction-order difference in a gradient moves a weight by ulps
+# Adam's first step is lr * g / (|g| + eps): an entry whose gradient is at the noise floor moves by a
+# fraction of lr (seen: 3e-5 under TP) although the gradients agree to 1e-6; those are compared directly.
+WEIGHT_ATOL = 1e-4
 GRAD_RTOL = 1e-5  # of the parameter's largest gradient entry: fp32 sums in another order (micro-batch padding)
 
 

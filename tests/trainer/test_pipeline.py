@@ -181,3 +181,45 @@ def test_tied_embeddings_pp2(tmp_path):
     """Tied embeddings at PP=2: the last stage's copy's gradient is summed with the first's, so the
     update equals one process's and both copies stay equal (the gathered state has the same weights)."""
     _spawn_and_compare(tmp_path, 2, {"pp2_tied": PP}, tied=True)
+
+
+def _checkpoint_worker(rank: int, root: str, base: list):
+    """2 steps at PP=2 saving after each; then a run resumed from step 1 to step 2."""
+    torch.set_num_threads(1)
+    run = base + PP + ["trainer.total_training_steps=2", "trainer.save_freq=1"]
+    straight = DAPOTrainer(load_config(overrides=run + [f"trainer.default_local_dir={root}/straight"]))
+    straight.fit()
+    final = {k: v.clone() for k, v in straight.full_state().items()}
+    resumed = DAPOTrainer(load_config(overrides=run + [
+        f"trainer.default_local_dir={root}/resumed", "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={root}/straight/checkpoints/global_step_1"]))
+    step = resumed.global_step
+    resumed.fit()
+    torch.save({"final": final, "resumed_step": step, "resumed": resumed.full_state()},
+               os.path.join(root, f"ckpt{rank}.pt"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_checkpoint_across_the_stage_split(tmp_path):
+    """A PP=2 checkpoint is an ordinary HF model directory (every stage's weights, HF names): one
+    process loads it and sees the PP=2 run's weights (and the PP=2 runs start from a directory
+    save_hf_model wrote, as a one-process checkpoint's); a PP=2 run resumed from its step-1
+    checkpoint ends where the uninterrupted run ends."""
+    from dapo_trainer import load_hf_model
+
+    base = _setup(str(tmp_path))
+    spawn_process_group(_checkpoint_worker, 2, str(tmp_path), base, timeout=datetime.timedelta(seconds=300))
+    res = torch.load(tmp_path / "ckpt0.pt", weights_only=False)
+    assert res["resumed_step"] == 1
+    hf = load_hf_model(str(tmp_path / "straight" / "checkpoints" / "global_step_2" / "model")).state_dict()
+    assert set(hf) == set(res["final"])
+    for k, v in res["final"].items():
+        assert torch.equal(hf[k], v), k  # HF format at PP=1: the same tensors
+        assert (res["resumed"][k] - v).abs().max() <= 1e-6, k
+    # Back: the PP=2 checkpoint as a one-process run's model (PP=1), and the trainer accepts it.
+    single = DAPOTrainer(load_config(overrides=base + [
+        f"actor_rollout_ref.model.path={tmp_path}/straight/checkpoints/global_step_2/model",
+        f"trainer.default_local_dir={tmp_path}/single"]))
+    for k, v in single.model.state_dict().items():
+        assert torch.equal(v, res["final"][k]), k

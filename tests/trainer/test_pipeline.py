@@ -118,7 +118,8 @@ def _compare(single: dict, got: dict, name: str) -> list:
 def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = False) -> None:
     base = _setup(str(tmp_path), tied=tied)
     layout = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "strategy")  # not in the 1-process run
-    extra_single = {name: [o for o in extra if not o.split("=")[0].endswith(layout)] for name, extra in scenarios.items()}
+    extra_single = {name: [o for o in extra if not o.split("=")[0].endswith(layout)]
+                    for name, extra in scenarios.items()}
     singles = {}
     for name, extra in extra_single.items():
         key = tuple(extra)

@@ -93,8 +93,8 @@ def _worker(rank: int, world: int, cases, tf: float, out_dir: str):
             dist.barrier()
             t0 = time.perf_counter()
             sched.step(*((x,) if rank == 0 else ()), target=torch.zeros(m * 8, 16), return_outputs=False)
+            dist.barrier()  # the step ends when the last stage's work does: the wait for it is bubble too
             wall = time.perf_counter() - t0
-            dist.barrier()
             idle = 1 - _Sleep.busy / wall
             if best is None or idle < best[0]:
                 best = (idle, Chunk.peak)

@@ -31,6 +31,9 @@ SCENARIOS_2 = {
     "pp2": PP,
     "pp2v2": PP + ["actor_rollout_ref.actor.virtual_pipeline_model_parallel_size=2"],
     "pp2_kl": PP + KL,
+    # Fixed-size micro-batches: one of all 8 rows without PP, re-split into one per stage under PP.
+    "pp2_fixed": PP + ["actor_rollout_ref.actor.use_dynamic_bsz=false",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"],
 }
 SCENARIOS_4 = {
     "pp2xdp2": PP,
@@ -164,8 +167,9 @@ def test_config_refuses_sp_with_pp_and_too_few_rows():
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_pp2_equals_one_process(tmp_path):
-    """PP=2 (1F1B), PP=2 x 2 virtual stages (interleaved) and PP=2 with KL + 2 epochs (forward-only
-    pipelines for old / ref log-probs): first step's batch, metrics and updated weights equal one process's."""
+    """PP=2 (1F1B), PP=2 x 2 virtual stages (interleaved), PP=2 with KL + 2 epochs (forward-only
+    pipelines for old / ref log-probs) and with fixed-size micro-batches: first step's batch, metrics,
+    gradients and updated weights equal one process's."""
     _spawn_and_compare(tmp_path, 2, SCENARIOS_2)
 
 

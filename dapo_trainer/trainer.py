@@ -19,7 +19,8 @@ share of the generation batch and the shares are all-gathered, so every rank hol
 DDP, or FSDP2) and, inside a DP rank, tensor parallel over ``actor.tensor_model_parallel_size``
 ranks or sequence parallel (Ulysses) over ``actor.ulysses_sequence_parallel_size`` ranks: those take
 the same micro-batches and each computes a contiguous shard of their tokens; gradients are then
-reduced over DP x SP ranks.
+reduced over DP x SP ranks. Under pipeline parallelism (``actor.pipeline_model_parallel_size``)
+each rank holds some layers (:class:`~dapo_trainer.actor.PipelinedActor`) and a sampling replica.
 """
 from __future__ import annotations
 

@@ -110,7 +110,9 @@ class Actor:
         self.temperature = cfg.actor_rollout_ref.rollout.temperature
         # DDP averages the gradients over the gradient ranks in the backward (FSDP2 shards them);
         # the training forward runs through the wrapper, log-probs on the model itself.
-        self.ddp = apply_ddp(model, dims.grad_group) if dims.grad_ranks > 1 and a.strategy == "ddp" else None
+        # (Under PP each stage is wrapped instead: PipelinedActor.)
+        self.ddp = (apply_ddp(model, dims.grad_group) if dims.grad_ranks > 1 and a.strategy == "ddp" and dims.pp == 1
+                    else None)
         self.optimizer, self.scheduler = build_optimizer(model, a.optim, cfg.trainer.total_training_steps)
         # The loss's options, fixed for the run (the per-micro-batch tensors and counts go in each call).
         self.loss_options = dict(
@@ -164,6 +166,11 @@ class Actor:
         """Old / reference log-probs ``[T]`` of a packed micro-batch (:func:`masked_log_probs`)."""
         return masked_log_probs(model, mb, self.temperature)
 
+    def _fill_log_probs(self, model, plan: List[dict], packed: List[List[dict]], key: str) -> None:
+        """``mb[key]``: ``model``'s log-probs of every packed micro-batch."""
+        for mb in (mb for mbs in packed for mb in mbs):
+            mb[key] = self.log_probs(model, mb)
+
     def update(self, batch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
         a = self.actor_cfg
@@ -174,13 +181,11 @@ class Actor:
         timing = {}
         t0 = time.perf_counter()
         if not on_policy:
-            for mb in (mb for mbs in packed for mb in mbs):
-                mb["old_log_prob"] = self.log_probs(self.model, mb)
+            self._fill_log_probs(self.model, plan, packed, "old_log_prob")
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.ref_model is not None:
-            for mb in (mb for mbs in packed for mb in mbs):
-                mb["ref_log_prob"] = self.log_probs(self.ref_model, mb)
+            self._fill_log_probs(self.ref_model, plan, packed, "ref_log_prob")
             timing["timing_s/ref"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -315,3 +320,131 @@ class Actor:
         for g in grads:  # local shards: scaling them scales the DTensors
             g.mul_(coef)
         return norm
+
+
+class PipelinedActor(Actor):
+    """The policy update under pipeline parallelism (``actor.pipeline_model_parallel_size > 1``).
+
+    The model is this rank's stages (:func:`~dapo_trainer.parallel.apply_pipeline`); each
+    mini-batch's micro-batches (at least one per pipeline rank; under interleaving a count torch's
+    schedule takes) run in ``dk.pipeline_order`` through the schedule, every one padded to the
+    mini-batch's token cap. The loss, the log-probs and the metrics are computed on the last
+    stage; its loss and metric sums go to every pipeline rank (the skip decision is common).
+    """
+
+    def __init__(self, cfg, dims: ParallelDims, model, ref_model=None, *, device: torch.device):
+        from .parallel import build_pipeline
+
+        super().__init__(cfg, dims, model, ref_model, device=device)
+        a = self.actor_cfg
+        rows = a.ppo_mini_batch_size * self.n  # the most sequences a micro-batch can hold
+        ddp = dims.grad_ranks > 1 and a.strategy == "ddp"
+        self.pipe = build_pipeline(model, dims, ddp=ddp, max_seqs=rows)
+        self.ref_pipe = build_pipeline(ref_model, dims, ddp=False, max_seqs=rows) if ref_model is not None else None
+        self.longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+
+    def _count_ok(self, m: int) -> bool:
+        pp = self.dims.pp  # ScheduleInterleaved1F1B runs rounds of equal size: m % (m // pp) == 0
+        return m >= pp and (self.dims.vpp == 1 or m % max(1, m // pp) == 0)
+
+    def plan(self, batch) -> List[dict]:
+        a, hidden_size = self.actor_cfg, self.model.config.hidden_size
+        seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
+        work = dk.attention_workload(seqlens, hidden_size)
+        plan = super().plan(batch)
+        for p in plan:
+            micro = p["micro"]
+            rows = [i for mb in micro for i in mb]
+            need = len(micro)
+            for _ in range(8):  # micro_batches may split into more than asked: settle on a count the schedule takes
+                if self._count_ok(len(micro)):
+                    break
+                while not self._count_ok(need):
+                    need += 1
+                if a.use_dynamic_bsz:
+                    split = sp_micro_batches([seqlens[i] for i in rows], p["max_token_len"], hidden_size=hidden_size,
+                                             min_num_micro_batches=min(need, len(rows)))
+                    micro = [[rows[i] for i in mb] for mb in split]
+                else:
+                    micro = [rows[len(rows) * k // need:len(rows) * (k + 1) // need] for k in range(need)]
+                micro += [[] for _ in range(need - len(micro))]  # fewer rows than micro-batches: empty ones
+                need = max(need, len(micro))
+            order = dk.pipeline_order(micro, work)
+            p["micro"] = [micro[i] for i in order]
+            # The static token count of the pipe: the cap (fixed-size micro-batches: their longest possible pack).
+            p["shape"] = p["max_token_len"] or a.ppo_micro_batch_size_per_gpu * self.longest
+        return plan
+
+    def pack(self, batch, rows: List[int]) -> dict:
+        if rows:
+            return super().pack(batch, rows)
+        d = self.device  # an empty micro-batch: all padding in the pipe, no loss
+        return {"input_ids": torch.zeros(0, dtype=torch.long, device=d), "cu_seqlens": torch.zeros(1, dtype=torch.int32,
+                device=d), "max_seqlen": 0}
+
+    def _fill_log_probs(self, model, plan: List[dict], packed: List[List[dict]], key: str) -> None:
+        pipe = self.pipe if model is self.model else self.ref_pipe
+
+        def on_output(i, hidden):
+            mb = mbs[i]
+            if hidden.shape[0]:
+                idx = mb["mask_index"]
+                lp, _ = model.log_probs(hidden.index_select(0, idx), mb["labels"].index_select(0, idx),
+                                        temperature=self.temperature)
+                mb[key] = lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
+            return hidden.sum()
+
+        with torch.no_grad():
+            for p, mbs in zip(plan, packed):
+                pipe.run(mbs, p["shape"], on_output, train=False)
+
+    def _backward_mini_batch(self, p: dict, mbs: List[dict], on_policy: bool, sums: Dict[str, torch.Tensor]):
+        from .parallel import tied_grad_sync
+
+        seq_mode = self.actor_cfg.loss_agg_mode.startswith("seq")
+        dp_scale = float(self.dims.grad_ranks)
+        # [the mini-batch's loss, whether it had a KL term]: known on the last stage, then on every pipeline rank
+        out = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+        def on_output(i, hidden):
+            mb = mbs[i]
+            if not hidden.shape[0]:
+                return hidden.sum()  # an empty micro-batch: a zero loss (its backward still runs)
+            loss, m = dk.fused_linear_policy_loss(
+                hidden, self.model.lm_head.weight, mb["labels"], None if on_policy else mb["old_log_prob"],
+                mb["advantages"], mb["mask"], num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
+                cu_seqlens=mb["cu_seqlens"] if seq_mode else None, ref_log_prob=mb.get("ref_log_prob"),
+                **self.loss_options)
+            out[0] += loss.detach().double()
+            out[1] = float("kl_loss" in m)
+            ntok = mb["mask"].sum().double()
+            sums["actor/pg_loss"] += m["pg_loss"].double()
+            sums["actor/kl_loss"] += m.get("kl_loss", m["pg_loss"] * 0).double()
+            for theirs, ours in _LOSS_FRACTIONS.items():
+                sums[ours] += m[theirs].double() * ntok
+            sums["actor/entropy"] += (m["entropy"].double() * mb["mask"]).sum()
+            sums["tokens"] += ntok
+            # As without PP: a non-finite loss so far backpropagates NaN, and every rank skips the update.
+            return loss * torch.where(torch.isfinite(out[0]), dp_scale, float("nan")).to(loss.dtype)
+
+        self.pipe.run(mbs, p["shape"], on_output, train=True)
+        tied_grad_sync(self.model, self.dims.tied_group)
+        vec = out.to(self.dims.comm_device)
+        dist.all_reduce(vec, group=self.dims.pp_group)
+        mini_loss, has_kl = vec.to(self.device).unbind()
+        return mini_loss, bool(has_kl)
+
+    def _reduce_sums(self, sums: Dict[str, torch.Tensor], loss_sum: float):
+        names = list(sums)  # the last stage's sums to every pipeline rank, then over the gradient ranks
+        vec = torch.stack([sums[k] for k in names]).to(self.dims.comm_device)
+        dist.all_reduce(vec, group=self.dims.pp_group)
+        return super()._reduce_sums(dict(zip(names, vec.to(self.device).unbind())), loss_sum)
+
+    def clip_grads(self) -> torch.Tensor:
+        from .parallel import pp_clip_grads
+
+        dims, fsdp = self.dims, self.actor_cfg.strategy == "fsdp2" and self.dims.grad_ranks > 1
+        return pp_clip_grads(self.model, self.actor_cfg.grad_clip, pp_group=dims.pp_group,
+                             tp_group=dims.tp_group if dims.tp > 1 else None, dp_group=dims.dp_group,
+                             sharded=tp_shard_dims(self.model) if dims.tp > 1 else (), fsdp=fsdp,
+                             comm_device=dims.comm_device)

@@ -259,11 +259,11 @@ class GenerationStage:
     def _gather_shares(self, share: RolloutShare, rows_per_replica: List[int]) -> RolloutShare:
         """Every replica's share, in replica order (one all-gather over the DP group, on its device)."""
         table = share.pack()
-        if self.dims.dp > 1:
+        if self.dims.rollout_ranks > 1:
             buf = table.new_zeros(max(rows_per_replica), table.shape[1], device=self.dims.comm_device)
             buf[:table.shape[0]] = table.to(self.dims.comm_device)
-            parts = [torch.empty_like(buf) for _ in range(self.dims.dp)]
-            dist.all_gather(parts, buf, group=self.dims.dp_group)
+            parts = [torch.empty_like(buf) for _ in range(self.dims.rollout_ranks)]
+            dist.all_gather(parts, buf, group=self.dims.rollout_group)
             table = torch.cat([p[:m] for p, m in zip(parts, rows_per_replica)]).cpu()
         d = self.cfg.data
         return RolloutShare.unpack(table, d.max_prompt_length, d.max_response_length)
@@ -271,11 +271,11 @@ class GenerationStage:
     def generation_batch(self, step: int, k: int) -> dict:
         """Generate, reward and filter one generation batch; rows padded to fixed widths.
         ``turn_stats`` are this replica's."""
-        n, dp = self.rollout_cfg.n, self.dims.dp
+        n, dp = self.rollout_cfg.n, self.dims.rollout_ranks  # DP replicas, or every replica-holding rank
         idx = self.cursor.next_batch()
         B = len(idx)
         bounds = [B * q // dp for q in range(dp + 1)]
-        q = self.dims.dp_rank
+        q = self.dims.rollout_rank
         lo, hi = bounds[q], bounds[q + 1]
         share, local_tokens, timing, turn_stats, comps = self._sample_share(
             idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self.seed(step, k))

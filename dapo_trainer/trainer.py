@@ -19,7 +19,8 @@ share of the generation batch and the shares are all-gathered, so every rank hol
 DDP, or FSDP2) and, inside a DP rank, tensor parallel over ``actor.tensor_model_parallel_size``
 ranks or sequence parallel (Ulysses) over ``actor.ulysses_sequence_parallel_size`` ranks: those take
 the same micro-batches and each computes a contiguous shard of their tokens; gradients are then
-reduced over DP x SP ranks.
+reduced over DP x SP ranks. Under pipeline parallelism (``actor.pipeline_model_parallel_size``)
+each rank holds some layers (:class:`~dapo_trainer.actor.PipelinedActor`) and a sampling replica.
 """
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import data as data_mod
 from . import envs
-from .actor import Actor
+from .actor import Actor, PipelinedActor
 from .batch_metrics import batch_metrics
 from .config import Config, dump_config
 from .generation import GenerationStage
 from .hf_io import load_hf_model, read_hf_config
 from .metrics import MetricsLogger
 from .offload import ActivationOffload
-from .parallel import ParallelDims, full_state_dict, parallelize_model
+from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict
 from .rollout import make_rollout
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
@@ -148,15 +149,15 @@ class DAPOTrainer:
                      if arr.actor.use_kl_loss else None)
         # The embedded engine samples from the training model as it is sharded (TP shards; FSDP2
         # one layer gathered at a time, the DP ranks in lockstep); vLLM receives its gathered
-        # weights. Two cases keep an unsharded replica, refreshed after every update: SP (the
-        # model's forward keeps one token shard) and multi-turn environments under FSDP2 with
-        # several DP ranks (their replicas make different numbers of engine calls: no lockstep).
+        # weights. Three cases keep an unsharded replica, refreshed after every update: SP (the
+        # model's forward keeps one token shard), PP (a rank holds some layers) and multi-turn
+        # environments under FSDP2 with several DP ranks (different numbers of engine calls: no lockstep).
         dims = self.dims
-        replica = dims.sp > 1 or (env is not None and arr.actor.strategy == "fsdp2" and dims.dp > 1)
+        replica = dims.sp > 1 or dims.pp > 1 or (env is not None and arr.actor.strategy == "fsdp2" and dims.dp > 1)
         self.rollout_model = (load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if replica
                               else self.model)
         self.engine = make_rollout(arr.rollout.engine_config(), self.rollout_model)
-        self.actor = Actor(cfg, dims, self.model, ref_model, device=self.device)
+        self.actor = (PipelinedActor if dims.pp > 1 else Actor)(cfg, dims, self.model, ref_model, device=self.device)
         self.generation = GenerationStage(cfg, dims, self.tokenizer, self.engine, train_rows, env)
 
         self.global_step = 0
@@ -169,8 +170,8 @@ class DAPOTrainer:
             self.generation.load_state_dict(state)
 
     def sync_weights(self) -> None:
-        if self.rollout_model is not self.model:  # the replica (SP; multi-turn under FSDP2 with DP > 1)
-            self.rollout_model.load_state_dict(full_state_dict(self.model))
+        if self.rollout_model is not self.model:  # the replica (SP; PP; multi-turn under FSDP2 with DP > 1)
+            self.rollout_model.load_state_dict(self.full_state())
         self.engine.update_weights(self.rollout_model)
 
     def validate(self) -> Dict[str, float]:
@@ -178,8 +179,9 @@ class DAPOTrainer:
         data-parallel replicas (the ranks of a TP group sample the same rows together)."""
         if not self.val_rows:
             return {}
-        d, vk, dp, gen = self.cfg.data, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.dims.dp, self.generation
-        mine = list(range(self.dims.dp_rank, len(self.val_rows), dp))
+        d, vk, gen = self.cfg.data, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.generation
+        dp = self.dims.rollout_ranks  # the DP replicas, or every rank where each holds a replica (PP, SP)
+        mine = list(range(self.dims.rollout_rank, len(self.val_rows), dp))
         most = -(-len(self.val_rows) // dp)  # every replica runs as many batches (FSDP2 lockstep)
         sums = torch.zeros(4, dtype=torch.float64)
         for start in range(0, most, d.val_batch_size):
@@ -194,7 +196,7 @@ class DAPOTrainer:
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
         if dp > 1:
             sums = sums.to(self.dims.comm_device)
-            dist.all_reduce(sums, group=self.dims.dp_group)
+            dist.all_reduce(sums, group=self.dims.rollout_group)
         score, acc, length, n = sums.tolist()
         n = max(n, 1.0)
         return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
@@ -217,9 +219,13 @@ class DAPOTrainer:
         self.global_step = step
         return metrics
 
+    def full_state(self) -> dict:
+        """The whole model's unsharded state_dict on every rank (collective; PP: every stage's)."""
+        return pipeline_state_dict(self.model, self.dims) if self.dims.pp > 1 else full_state_dict(self.model)
+
     def save(self) -> str:
         state = {"step": self.global_step, **self.generation.state_dict(), "nonfinite_streak": self.nonfinite_streak}
-        full = full_state_dict(self.model)  # (the plain state_dict when nothing is sharded)
+        full = self.full_state()  # (the plain state_dict when nothing is sharded)
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
                                     trainer_state=state, model_src_dir=self.cfg.actor_rollout_ref.model.path)

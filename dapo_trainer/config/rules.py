@@ -127,6 +127,22 @@ def sequence_parallel_compatible(cfg: Config) -> None:
 
 
 @rule
+def pipeline_parallel_compatible(cfg: Config) -> None:
+    a, key = cfg.actor_rollout_ref.actor, f"{ACTOR}.pipeline_model_parallel_size"
+    pp, v = a.pipeline_model_parallel_size, a.virtual_pipeline_model_parallel_size or 1
+    require(pp == 1 or a.ulysses_sequence_parallel_size == 1, key,
+            f"pipeline parallelism ({pp}) with sequence parallelism ({ACTOR}.ulysses_sequence_parallel_size="
+            f"{a.ulysses_sequence_parallel_size}) is not supported; use one of them")
+    require(v == 1 or pp > 1, f"{ACTOR}.virtual_pipeline_model_parallel_size",
+            f"interleaving ({v} model chunks per rank) needs {key} > 1, got {pp}")
+    # Every stage must have a micro-batch of its own in flight: at least PP x virtual micro-batches.
+    rows = a.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
+    require(rows >= pp * v, f"{ACTOR}.ppo_mini_batch_size",
+            f"x actor_rollout_ref.rollout.n = {rows} rows per mini-batch, fewer than the {pp * v} pipeline stages "
+            f"({key}={pp} x {ACTOR}.virtual_pipeline_model_parallel_size={v}): every stage needs a micro-batch")
+
+
+@rule
 def activation_offload_needs_checkpointing(cfg: Config) -> None:
     m = cfg.actor_rollout_ref.model
     require(not m.enable_activation_offload or m.enable_gradient_checkpointing,

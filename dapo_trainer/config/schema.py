@@ -127,6 +127,10 @@ class ActorConfig:
     # DeepSpeed-Ulysses: ranks that split each micro-batch's tokens;
     # ppo_max_token_len_per_gpu stays per rank, a micro-batch holds up to SP times as many.
     ulysses_sequence_parallel_size: int = setting(1, range=POSITIVE, aliases=("sp_size",))
+    # Megatron-style pipeline stages of the decoder layers (verl's key); DP = world / (PP x TP x SP).
+    pipeline_model_parallel_size: int = setting(1, range=POSITIVE)
+    # Interleaved 1F1B: model chunks per pipeline rank (None or 1: plain 1F1B).
+    virtual_pipeline_model_parallel_size: Optional[int] = setting(None, range=at_least(1, "or null"))
     # The loss ops' own rules (dapo_kernels.validation), so a value loads iff the loss accepts it.
     clip_ratio_low: float = setting(0.2, range=CLIP_RATIO_RANGES["clip_ratio_low"])
     clip_ratio_high: float = setting(0.28, range=CLIP_RATIO_RANGES["clip_ratio_high"])

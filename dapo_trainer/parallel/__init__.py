@@ -19,11 +19,18 @@ _EXPORTS = {
     "full_state_dict": "tensor", "parallelize": "tensor", "tp_shard_dims": "tensor", "unshard": "tensor",
     "apply_sequence_parallel": "sequence", "shard_sequence": "sequence",
     "ParallelDims": "dims", "parallelize_model": "dims",
+    "apply_pipeline": "pipeline", "build_pipeline": "pipeline", "pipeline_state_dict": "pipeline",
+    "pp_clip_grads": "pipeline", "tied_grad_sync": "pipeline",
 }
 
 __all__ = [
     "ParallelDims",
     "parallelize_model",
+    "apply_pipeline",
+    "build_pipeline",
+    "pipeline_state_dict",
+    "pp_clip_grads",
+    "tied_grad_sync",
     "parallelize",
     "apply_sequence_parallel",
     "shard_sequence",

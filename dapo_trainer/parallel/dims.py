@@ -1,4 +1,4 @@
-"""The run's parallel layout: sizes, process groups and mesh of DP x SP x TP ranks.
+"""The run's parallel layout: sizes, process groups and mesh of PP x DP x SP x TP ranks.
 
 ``ParallelDims.build`` reads the sizes from the config and the world from ``torch.distributed``;
 ``parallelize_model`` applies the layout to a built model (the model itself knows no parallelism).
@@ -14,11 +14,13 @@ import torch.distributed as dist
 
 @dataclass
 class ParallelDims:
-    """``world = dp * sp * tp``; groups are None in a single process.
+    """``world = pp * dp * sp * tp``; groups are None in a single process.
 
     ``grad_group`` / ``grad_mesh``: the ranks gradients are reduced over, DP x SP (under SP every
     rank holds the gradient of its own token shard's loss; config validation keeps TP = 1 then).
     ``comm_device``: where tensors handed to a collective live (NCCL takes CUDA tensors only).
+    ``pp`` pipeline ranks (``vpp`` model chunks each) split the layers; ``tied_group``: the first
+    and the last pipeline rank of a DP x TP coordinate (a tied embedding's two copies).
     """
 
     world: int
@@ -33,6 +35,28 @@ class ParallelDims:
     dp_mesh: Any = None
     grad_group: Any = None
     grad_mesh: Any = None
+    pp: int = 1
+    vpp: int = 1
+    pp_group: Any = None
+    tied_group: Any = None
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp_group) if self.pp > 1 else 0
+
+    @property
+    def rollout_ranks(self) -> int:
+        """Ranks that sample distinct shares of a generation batch: every rank where each holds an
+        unsharded replica of the model (PP, SP), else the DP replicas (a TP group samples together)."""
+        return self.world if self.pp > 1 or self.sp > 1 else self.dp
+
+    @property
+    def rollout_rank(self) -> int:
+        return self.rank if self.pp > 1 or self.sp > 1 else self.dp_rank
+
+    @property
+    def rollout_group(self) -> Optional[Any]:
+        return dist.group.WORLD if self.pp > 1 or self.sp > 1 else self.dp_group
 
     @property
     def grad_ranks(self) -> int:
@@ -50,15 +74,24 @@ class ParallelDims:
 
     @classmethod
     def build(cls, actor_cfg, rollout_n: int, device: torch.device) -> "ParallelDims":
-        """Sizes from ``actor_rollout_ref.actor`` (TP, Ulysses SP), DP the rest of the world."""
+        """Sizes from ``actor_rollout_ref.actor`` (TP, Ulysses SP, PP), DP the rest of the world."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         tp, sp = actor_cfg.tensor_model_parallel_size, actor_cfg.ulysses_sequence_parallel_size
-        if world % (tp * sp):
+        pp, vpp = actor_cfg.pipeline_model_parallel_size, actor_cfg.virtual_pipeline_model_parallel_size or 1
+        if world % (tp * sp * pp):
             raise ValueError(f"actor_rollout_ref.actor.tensor_model_parallel_size={tp} times "
-                             f"ulysses_sequence_parallel_size={sp} must divide the number of processes {world}")
-        dp = world // (tp * sp)
+                             f"ulysses_sequence_parallel_size={sp} times pipeline_model_parallel_size={pp} "
+                             f"must divide the number of processes {world}")
+        dp = world // (tp * sp * pp)
         rows = actor_cfg.ppo_mini_batch_size * rollout_n
+        if pp > 1 and rows < dp * pp * vpp:
+            raise ValueError(
+                f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor_cfg.ppo_mini_batch_size}) x "
+                f"actor_rollout_ref.rollout.n ({rollout_n}) = {rows} rows per mini-batch, fewer than the {dp} "
+                f"data-parallel ranks x {pp * vpp} pipeline stages (actor_rollout_ref.actor."
+                f"pipeline_model_parallel_size {pp} x virtual_pipeline_model_parallel_size {vpp}): every stage of "
+                "every replica needs a micro-batch; raise the mini-batch size or n, or run fewer processes")
         if rows < dp:
             # A DP rank without a row would run no backward, and the others would wait in the
             # gradient all-reduce forever.
@@ -69,12 +102,15 @@ class ParallelDims:
                 f"actor_rollout_ref.actor.tensor_model_parallel_size {tp} / ulysses_sequence_parallel_size "
                 f"{sp}): every rank needs at least one row; raise the mini-batch size or n, or run fewer "
                 "processes")
-        dims = cls(world=world, rank=rank, dp=dp, sp=sp, tp=tp, comm_device=device)
+        dims = cls(world=world, rank=rank, dp=dp, sp=sp, tp=tp, comm_device=device, pp=pp, vpp=vpp)
         if world > 1:
             from .collectives import collective_device
             from .dist import make_mesh
 
-            mesh = make_mesh(device, tp=tp, sp=sp)
+            mesh = make_mesh(device, tp=tp, sp=sp, pp=pp)
+            if pp > 1:
+                dims.pp_group = mesh["pp"].get_group()
+                dims.tied_group = _tied_group(mesh.mesh, rank)
             dims.tp_group, dims.dp_mesh = mesh["tp"].get_group(), mesh["dp"]
             dims.dp_group = dims.dp_mesh.get_group()
             dims.grad_group, dims.grad_mesh = dims.dp_group, dims.dp_mesh
@@ -86,8 +122,9 @@ class ParallelDims:
 
 
 def parallelize_model(model, dims: ParallelDims, *, fsdp: bool):
-    """Apply ``dims`` to ``model`` in place: TP shards, Ulysses SP, then FSDP2 over the gradient
-    ranks when ``fsdp`` (a trainable model under ``actor.strategy=fsdp2``); returns it."""
+    """Apply ``dims`` to ``model`` in place: TP shards, Ulysses SP, the pipeline split (PP), then
+    FSDP2 over the gradient ranks when ``fsdp`` (a trainable model under ``actor.strategy=fsdp2``);
+    returns it."""
     if dims.tp > 1:
         from .tensor import parallelize
 
@@ -96,8 +133,23 @@ def parallelize_model(model, dims: ParallelDims, *, fsdp: bool):
         from .sequence import apply_sequence_parallel
 
         apply_sequence_parallel(model, dims.sp_group)
+    if dims.pp > 1:  # this rank's stages (model.pipeline_chunks), each its own FSDP2 root
+        from .pipeline import apply_pipeline
+
+        return apply_pipeline(model, dims, fsdp=fsdp)
     if fsdp and dims.grad_ranks > 1:
         from .data import apply_fsdp
 
         apply_fsdp(model, dims.grad_mesh)
     return model
+
+
+def _tied_group(ranks: torch.Tensor, rank: int):
+    """The group of this rank's DP x TP coordinate's first and last pipeline rank (every rank
+    creates every such group, as ``new_group`` requires); None on the middle pipeline ranks."""
+    mine = None
+    for col in ranks.reshape(ranks.shape[0], -1).t().tolist():
+        g = dist.new_group([col[0], col[-1]])
+        if rank in (col[0], col[-1]):
+            mine = g
+    return mine

@@ -57,18 +57,25 @@ def init_distributed(device, *, timeout_s: Optional[float] = None) -> torch.devi
     return device
 
 
-def make_mesh(device, *, tp: int = 1, sp: int = 1):
+def make_mesh(device, *, tp: int = 1, sp: int = 1, pp: int = 1):
     """2-D ``DeviceMesh`` ("dp", "tp") over all ranks, tensor-parallel ranks adjacent; with
     ``sp > 1`` 3-D ("dp", "sp", "tp"), sequence-parallel ranks next (Ulysses all-to-alls, four per
     layer each way, also want the fast links).
 
     Adjacent ranks share a node, so the TP all-reduces (two per layer) stay on the
     fastest links; ``mesh["tp"].get_group()`` goes to ``parallelize``, ``mesh["sp"].get_group()``
-    to ``apply_sequence_parallel`` and ``mesh["dp"]`` to ``apply_fsdp``.
+    to ``apply_sequence_parallel`` and ``mesh["dp"]`` to ``apply_fsdp``. With ``pp > 1`` 3-D
+    ("pp", "dp", "tp"), pipeline ranks outermost: a stage boundary sends one activation per
+    micro-batch each way, the least traffic of all dimensions, so it may cross nodes.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
+    if pp > 1:
+        if sp > 1 or tp < 1 or world % (tp * pp):
+            raise ValueError(f"pp x tp must divide the world size {world} (sp 1), got pp={pp}, tp={tp}, sp={sp}")
+        return init_device_mesh(torch.device(device).type, (pp, world // (tp * pp), tp),
+                                mesh_dim_names=("pp", "dp", "tp"))
     if tp < 1 or sp < 1 or world % (tp * sp):
         raise ValueError(f"tp x sp must divide the world size {world}, got tp={tp}, sp={sp}")
     if sp == 1:

@@ -165,8 +165,8 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict) -> None:
     single = _run_trainer(base + [f"trainer.default_local_dir={tmp_path}/single"])
     spawn_process_group(_worker, world, str(tmp_path), base, scenarios, timeout=datetime.timedelta(seconds=300))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    # Ranks per replica (TP or SP group): they sample the same share.
-    group_keys = ("tensor_model_parallel_size", "sp_size", "sequence_parallel_size")
+    # Ranks per replica (a TP group): they sample the same share (SP ranks each hold a replica: their own share).
+    group_keys = ("tensor_model_parallel_size",)
     tp_of = {name: 2 if any(o.split("=")[0].endswith(group_keys) and o.endswith("=2") for o in extra) else 1
              for name, extra in scenarios.items()}
     failures = _compare(single, ranks, scenarios, tp_of)

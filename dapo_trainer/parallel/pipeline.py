@@ -1,0 +1,266 @@
+"""Pipeline parallelism: the decoder layers split into stages, run by torch's pipelining engine.
+
+``split_model`` cuts a built (and tensor-parallel) :class:`~dapo_trainer.model.Transformer` into
+``pp x v`` stages of equal layer counts, stage ``s`` on pipeline rank ``s % pp`` (torch's looped
+placement, which ``ScheduleInterleaved1F1B`` expects); the first stage holds the embedding, the last
+the final norm and ``lm_head`` (with tied embeddings a copy of the embedding, its gradient summed
+with the first stage's over ``tied_group``). The model is pruned in place to this rank's modules,
+their names unchanged (``layers.{i}.*`` keeps the layer's global index), so its ``state_dict`` is a
+subset of the HF checkpoint's.
+
+:class:`Pipeline` runs packed varlen micro-batches through ``PipelineStage`` + ``Schedule1F1B`` /
+``ScheduleInterleaved1F1B``: every micro-batch padded to the same token count (the cap: stage
+shapes are static), the padding one extra sequence (it attends to itself only) and ``cu_seqlens``
+padded with empty sequences to a fixed length; they travel to every stage as keyword arguments.
+The last stage's hook (the schedule's ``loss_fn``) sees the hidden states with the padding cut
+off, so no loss or metric reads a padding position.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import dapo_kernels as dk
+
+from ..model import Transformer, rope_cos_sin
+from ..offload import offload_scope
+
+PP_KEY = "actor_rollout_ref.actor.pipeline_model_parallel_size"
+VPP_KEY = "actor_rollout_ref.actor.virtual_pipeline_model_parallel_size"
+
+
+def stage_layers(num_layers: int, pp: int, v: int = 1) -> List[range]:
+    """The decoder layers of each of the ``pp * v`` stages: equal contiguous ranges (ValueError
+    naming the keys unless ``pp * v`` divides ``num_layers``)."""
+    n = pp * v
+    if num_layers % n:
+        raise ValueError(f"{PP_KEY}={pp} x {VPP_KEY}={v} = {n} pipeline stages must divide the model's "
+                         f"{num_layers} decoder layers")
+    per = num_layers // n
+    return [range(s * per, (s + 1) * per) for s in range(n)]
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage of a Transformer: ``forward(x, cu_seqlens, max_seqlen)`` takes token ids
+    (first stage) or hidden states ``[T, H]``, returns hidden states (after the final norm on the
+    last stage). ``cu_seqlens`` ``[1, L]`` and ``max_seqlen`` ``[1]`` are the micro-batch's row of
+    the schedule's keyword arguments (split along dim 0)."""
+
+    def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last, self.cfg = first, last, model.config
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] if isinstance(model.layers, nn.ModuleDict)
+                                     else model.layers[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.owner = [model]  # (a list: not a submodule) checkpointing / offload settings are the model's
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: torch.Tensor) -> torch.Tensor:
+        cu, msl = cu_seqlens.reshape(-1), int(max_seqlen.reshape(-1)[0])
+        T = x.shape[0]
+        h = self.embed_tokens(x) if self.first else x
+        cos, sin = rope_cos_sin(self.cfg, dk.packed_position_ids(cu, T), h.dtype)
+        model = self.owner[0]
+        recompute = model.activation_checkpointing and torch.is_grad_enabled()
+        with offload_scope(model.activation_offload if recompute else None):
+            for layer in self.layers.values():
+                if recompute:
+                    h = checkpoint(layer, h, cos, sin, cu, msl, None, use_reentrant=False)
+                else:
+                    h = layer(h, cos, sin, cu, msl)
+        return self.norm(h) if self.last else h
+
+
+def split_model(model: Transformer, pp_rank: int, pp: int, v: int = 1) -> List[StageChunk]:
+    """This rank's stages of ``model`` (stage indices ``pp_rank + k * pp``), the model pruned in
+    place to their modules. Tied embeddings: the last stage's ``lm_head.weight`` becomes a copy."""
+    n = pp * v
+    ranges = stage_layers(model.config.num_layers, pp, v)
+    mine = [s for s in range(n) if s % pp == pp_rank]
+    tied = model.config.tie_word_embeddings and pp > 1
+    if tied and pp_rank == pp - 1:  # the copy's gradient is summed with the embedding's (tied_grad_sync)
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    owned = nn.ModuleDict({str(i): model.layers[i] for s in mine for i in ranges[s]})
+    model.layers = owned
+    if 0 not in mine:
+        model.embed_tokens = None
+    if n - 1 not in mine:
+        model.norm = model.lm_head = None
+    return [StageChunk(model, ranges[s], first=s == 0, last=s == n - 1) for s in mine]
+
+
+def apply_pipeline(model: Transformer, dims, *, fsdp: bool) -> Transformer:
+    """Split ``model`` (already tensor parallel) into this rank's stages, ``model.pipeline_chunks``;
+    under ``fsdp`` with several DP ranks each decoder layer and each stage is an FSDP2 unit."""
+    model.pipeline_chunks = split_model(model, dims.pp_rank, dims.pp, dims.vpp)
+    if fsdp and dims.grad_ranks > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for chunk in model.pipeline_chunks:
+            for layer in chunk.layers.values():
+                fully_shard(layer, mesh=dims.grad_mesh, mp_policy=mp)
+            # The root stays gathered from forward to backward: the loss reads lm_head.weight after it.
+            fully_shard(chunk, mesh=dims.grad_mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def build_pipeline(model: Transformer, dims, *, ddp: bool, max_seqs: int) -> "Pipeline":
+    """The :class:`Pipeline` of a model split by :func:`apply_pipeline`; ``ddp``: each stage wrapped
+    in torch's DDP over the gradient ranks (the stage runs it: no_sync but in the last backward)."""
+    chunks = model.pipeline_chunks
+    modules = list(chunks)
+    if ddp:
+        from .data import apply_ddp
+
+        modules = [apply_ddp(c, dims.grad_group) for c in chunks]
+    p = next(model.parameters())
+    return Pipeline(chunks, modules, pp_rank=dims.pp_rank, pp=dims.pp, v=dims.vpp, group=dims.pp_group,
+                    device=p.device, max_seqs=max_seqs, hidden_size=model.config.hidden_size, dtype=p.dtype)
+
+
+def tied_parameter(model: Transformer) -> Optional[nn.Parameter]:
+    """The parameter of a tied embedding this rank holds under PP (the embedding or its copy)."""
+    if not model.config.tie_word_embeddings:
+        return None
+    return model.embed_tokens.weight if model.embed_tokens is not None else (
+        model.lm_head.weight if model.lm_head is not None else None)
+
+
+class Pipeline:
+    """The stages of one model on this rank and their schedules (one per micro-batch count and mode).
+
+    ``run(mbs, cap, on_output, train)``: ``mbs`` packed micro-batches (``actor.pack_micro_batch``
+    dicts), in the order to run them; ``on_output(i, hidden)`` is called on the last stage with
+    micro-batch ``i``'s unpadded hidden states and returns its loss (``train``) or anything.
+    """
+
+    def __init__(self, chunks: List[StageChunk], modules: List[nn.Module], *, pp_rank: int, pp: int, v: int,
+                 group, device: torch.device, max_seqs: int, hidden_size: int, dtype: torch.dtype):
+        self.chunks, self.modules = chunks, modules  # modules: the chunks as the stages run them (DDP / FSDP)
+        self.pp_rank, self.pp, self.v, self.group, self.device = pp_rank, pp, v, group, device
+        self.max_seqs, self.hidden_size, self.dtype = max_seqs, hidden_size, dtype
+        self.is_last = any(c.last for c in chunks)
+        self._schedules: Dict[Tuple[int, int, bool], object] = {}
+        self._hook: Optional[Callable] = None
+
+    def _schedule(self, m: int, cap: int, train: bool):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        key = (m, cap, train)
+        if key not in self._schedules:
+            n = self.pp * self.v
+            stages = []
+            for k, mod in enumerate(self.modules):
+                s = self.pp_rank + k * self.pp
+                # Example tensors of the static shapes (activations that carry a gradient in training).
+                x = (torch.zeros(cap, dtype=torch.long, device=self.device) if s == 0 else
+                     torch.zeros(cap, self.hidden_size, dtype=self.dtype, device=self.device, requires_grad=train))
+                out = torch.zeros(cap, self.hidden_size, dtype=self.dtype, device=self.device, requires_grad=train)
+                stages.append(PipelineStage(mod, s, n, self.device, input_args=(x,), output_args=(out,),
+                                            group=self.group))
+            loss = self._loss
+            if self.v == 1:
+                self._schedules[key] = Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False)
+            else:
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False)
+        return self._schedules[key]
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        i = int(target.reshape(-1)[0])
+        return self._hook(i, output[:self._tokens[i]])
+
+    def run(self, mbs: Sequence[dict], cap: int, on_output: Callable[[int, torch.Tensor], torch.Tensor],
+            train: bool) -> None:
+        """One pass of the micro-batches through the pipe (forward and backward when ``train``)."""
+        m, L = len(mbs), self.max_seqs + 2
+        ids = torch.zeros(m * cap, dtype=torch.long, device=self.device)
+        cus = torch.full((m, L), cap, dtype=torch.int32, device=self.device)
+        msl = torch.zeros(m, dtype=torch.long)
+        self._tokens = []
+        for i, mb in enumerate(mbs):
+            t, cu = mb["input_ids"].shape[0], mb["cu_seqlens"]
+            if t > cap or cu.shape[0] > L - 1:
+                raise ValueError(f"micro-batch {i}: {t} tokens in {cu.shape[0] - 1} sequences exceed the pipeline's "
+                                 f"static shape ({cap} tokens, {L - 2} sequences)")
+            ids[i * cap:i * cap + t] = mb["input_ids"]
+            cus[i, :cu.shape[0]] = cu  # then the padding: one sequence up to cap, then empty ones
+            msl[i] = max(mb["max_seqlen"], cap - t)
+            self._tokens.append(t)
+        self._hook = on_output
+        sched = self._schedule(m, cap, train)
+        target = torch.arange(m)
+        first = any(c.first for c in self.chunks)
+        args = (ids,) if first else ()
+        try:
+            if train:
+                sched.step(*args, cu_seqlens=cus, max_seqlen=msl, target=target, return_outputs=False)
+            else:
+                sched.eval(*args, cu_seqlens=cus, max_seqlen=msl, target=target)
+        finally:
+            self._hook = None
+
+
+def tied_grad_sync(model: Transformer, group) -> None:
+    """Sum the tied embedding's gradient of the first stage and its copy's on the last (``group``:
+    the two ranks); no-op when this rank holds neither."""
+    p = tied_parameter(model)
+    if p is None or group is None or p.grad is None:
+        return
+    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    dist.all_reduce(g, group=group)
+
+
+def pp_clip_grads(model: Transformer, clip: float, *, pp_group, tp_group=None, dp_group=None,
+                  sharded: Sequence[str] = (), fsdp: bool = False, comm_device=None) -> torch.Tensor:
+    """Clip every stage's gradients to the norm of the whole model's (unsharded) gradient; returns it.
+
+    Squared norms of this rank's gradients split into [0] TP-sharded and [1] TP-replicated ones
+    (under FSDP2 the local shards summed over ``dp_group`` first); the sharded part summed over
+    the TP group, then all over the pipeline group. The last stage's copy of a tied embedding is
+    left out of the norm (the first stage's counts it) but clipped.
+    """
+    sq = torch.zeros(2, dtype=torch.float64, device=comm_device)
+    copy = tied_parameter(model) if model.embed_tokens is None else None
+    grads = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grads.append(g)
+        if p is not copy:
+            sq[0 if name in sharded else 1] += g.double().pow(2).sum()
+    if fsdp and dp_group is not None:
+        dist.all_reduce(sq, group=dp_group)
+    if tp_group is not None:
+        shard_sq = sq[:1].clone()
+        dist.all_reduce(shard_sq, group=tp_group)
+        sq[0] = shard_sq[0]
+    total = sq.sum().reshape(1)
+    dist.all_reduce(total, group=pp_group)
+    norm = total[0].sqrt()
+    coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()
+    for g in grads:
+        g.mul_(coef.to(g.device))
+    return norm
+
+
+def pipeline_state_dict(model: Transformer, dims) -> dict:
+    """The whole model's unsharded ``state_dict`` on every rank (collective): each stage's
+    (:func:`~.tensor.full_state_dict`: TP and FSDP2 shards gathered) all-gathered over the
+    pipeline group; HF names, as without PP."""
+    from .tensor import full_state_dict
+
+    local = {k: v.cpu() for k, v in full_state_dict(model).items()}
+    parts = [None] * dims.pp
+    dist.all_gather_object(parts, local, group=dims.pp_group)
+    full = {}
+    for part in parts:
+        full.update(part)
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in full.items()}

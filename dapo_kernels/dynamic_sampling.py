@@ -285,7 +285,7 @@ class KeepRateEstimator:
         prior_strength: prior pseudo-groups, > 0.
     """
 
-    def __init__(self, forgetting: float = 0.8, prior_keep: float = 0.5, prior_strength: float = 1.0):
+    def __init__(self, forgetting: float = 0.5, prior_keep: float = 0.5, prior_strength: float = 1.0):
         self.forgetting = _check_prob("forgetting", forgetting, open_hi=False)
         self.prior_keep = _check_prob("prior_keep", prior_keep)
         self.prior_strength = check_float("prior_strength", prior_strength, valid=lambda v: 0 < v < math.inf,

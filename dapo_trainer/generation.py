@@ -302,7 +302,7 @@ class GenerationStage:
         else:
             keep = torch.ones(len(s.reward), dtype=torch.bool)
         group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
-        keep &= ~s.failed.view(B, n).any(1).repeat_interleave(n)  # on_error=drop: never train on a failed group
+        keep = keep & ~s.failed.view(B, n).any(1).repeat_interleave(n)  # on_error=drop: never train on failed groups
         tensors = {"prompt_ids": s.prompt_ids, "prompt_len": s.prompt_len, "response_ids": s.response_ids,
                    "response_len": s.response_len, "rollout_log_prob": s.log_probs, "response_mask": s.sampled,
                    "advantages": adv.advantages.float(), "score": s.score, "acc": s.acc, "reward": s.reward,

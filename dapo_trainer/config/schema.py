@@ -178,7 +178,7 @@ class FilterGroupsConfig:
     target_rounds: int = setting(1, range=POSITIVE)
     adaptive_quantile: float = setting(0.9, range=within(0, 1, open_lo=True, open_hi=True))
     # Weight of the previous round's counts in the estimate (older rounds: its powers).
-    adaptive_forgetting: float = setting(0.8, range=within(0, 1, open_lo=True))
+    adaptive_forgetting: float = setting(0.5, range=within(0, 1, open_lo=True))
     min_gen_batch_size: Optional[int] = setting(None, range=POSITIVE)  # None: the data-parallel size
     # None: what the rollout KV cache fits in rollout.gpu_memory_utilization of the device (memory model).
     max_gen_batch_size: Optional[int] = setting(None, range=POSITIVE)

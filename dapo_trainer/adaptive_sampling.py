@@ -208,8 +208,9 @@ class SamplingController:
         self.dead_steps += rounds > self.fg.dead_loop_rounds
         out = {"sampling/keep_rate_estimate": self.estimator.keep_rate(),
                "sampling/gen_prompts": float(prompts),
-               # The size the next step's first round would have (adaptive), after this step's carry-over.
-               "sampling/next_gen_batch_size": float(self.gen_size(buffered, 0)),
+               # The size the next step's first round will have, after this step's carry-over (0: none needed).
+               "sampling/next_gen_batch_size": float(self.gen_size(buffered, 0) if buffered < self.train_batch_size
+                                                     else 0),
                "sampling/samples_per_kept_group": responses / kept if kept else 0.0,
                # Kept groups neither trained on nor carried over (carry_over=false's surplus).
                "sampling/wasted_samples": float(discarded * n),

@@ -278,7 +278,9 @@ def test_adaptive_run_logs_estimate_and_size_and_resumes_it(tmp_path):
     lines = read_metrics(os.path.join(str(tmp_path), "run"))
     for m in lines:
         assert 0 < m["sampling/keep_rate_estimate"] < 1
-        assert 1 <= m["sampling/next_gen_batch_size"] <= 24  # the ceiling: the 24 training rows here
+        assert 0 <= m["sampling/next_gen_batch_size"] <= 24  # the ceiling: the 24 training rows here
+        # 0 exactly when the carried-over groups fill the next train batch (2 groups) alone.
+        assert (m["sampling/next_gen_batch_size"] == 0) == (m["train/carried_over_groups"] >= 2)
         assert m["sampling/samples_per_kept_group"] >= 4 or m["train/kept_groups"] == 0
         assert 0 <= m["perf/gen_time_share"] <= 1 and "sampling/dead_loop_rate" in m
     assert [m["sampling/reward_threshold"] for m in lines] == pytest.approx([0.5, 0.7, 0.9])

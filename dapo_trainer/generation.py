@@ -22,6 +22,7 @@ import dapo_kernels as dk
 
 from . import data as data_mod
 from . import dialogue, rewards
+from .adaptive_sampling import SamplingController, memory_ceiling, round_counts, short_batch_groups
 from .parallel import ParallelDims
 from .rollout.multiturn import multi_turn_rollout
 
@@ -61,7 +62,7 @@ class RolloutShare:
     score: torch.Tensor = _column(torch.float64)
     acc: torch.Tensor = _column(torch.float64)
     reward: torch.Tensor = _column(torch.float64)  # score plus the overlong penalty: advantages come from it
-    filter_metric: torch.Tensor = _column(torch.float64)  # what dynamic sampling keeps groups by
+    filter_metric: torch.Tensor = _column(torch.float64)  # what dynamic sampling keeps groups by (not binarised)
     failed: torch.Tensor = _column(torch.bool)  # a conversation the environment failed (on_error=drop)
     turns: torch.Tensor = _column(torch.float64)  # assistant turns (single-turn: 1)
 
@@ -107,9 +108,14 @@ class GenerationStage:
         self._prompt_cache: Dict[int, List[int]] = {}
         self.cursor = data_mod.BatchCursor(len(train_rows), cfg.gen_batch_size, seed=cfg.trainer.seed,
                                            shuffle=d.shuffle)
+        # short_batch: the stage stops at max_num_gen_batches itself (collect), the accumulator never raises.
+        self.max_rounds = fg.max_num_gen_batches if fg.enable else 0
         self.accumulator = dk.DynamicBatchAccumulator(
-            d.train_batch_size, self.rollout_cfg.n, fg.max_num_gen_batches if fg.enable else 0,
+            d.train_batch_size, self.rollout_cfg.n, self.max_rounds if fg.on_exhausted == "error" else 0,
             carry_over=fg.carry_over)
+        self.sources = [str(row.get("data_source", "")) for row in train_rows]
+        ceiling = memory_ceiling(cfg, dims) if fg.adaptive else len(train_rows)
+        self.sampling = SamplingController(cfg, dp=dims.rollout_ranks, ceiling=min(ceiling, len(train_rows)))
         crf = cfg.custom_reward_function
         self.reward_fn = rewards.load_reward_fn(crf.path, crf.name) if crf.path else rewards.default_compute_score
         self.scorers = {}
@@ -119,11 +125,14 @@ class GenerationStage:
             self.scorers = build_scorers(cfg.reward_model.dialogue)
 
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor.state_dict(), "accumulator": self.accumulator.state_dict()}
+        return {"cursor": self.cursor.state_dict(), "accumulator": self.accumulator.state_dict(),
+                "sampling": self.sampling.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
         self.accumulator.load_state_dict(state["accumulator"])
+        if "sampling" in state:  # (checkpoints from before adaptive sampling start its estimate afresh)
+            self.sampling.load_state_dict(state["sampling"])
 
     def seed(self, step: int, k: int) -> int:
         return stream_seed(self.cfg.trainer.seed, step, k)
@@ -228,8 +237,7 @@ class GenerationStage:
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
             final += dk.overlong_penalty(lengths, R, ob.len, ob.penalty_factor).double()
-        metric = dialogue.binarize(self._filter_metric(score, acc, final, comps),
-                                   self.cfg.algorithm.filter_groups.reward_threshold)
+        metric = self._filter_metric(score, acc, final, comps)  # binarised by the step's threshold after the gather
         failed = torch.zeros(N, dtype=torch.bool)
         failed[list(getattr(out, "errors", {}))] = True
         pad = self.tokenizer.pad_token_id
@@ -269,8 +277,8 @@ class GenerationStage:
         return RolloutShare.unpack(table, d.max_prompt_length, d.max_response_length)
 
     def generation_batch(self, step: int, k: int) -> dict:
-        """Generate, reward and filter one generation batch; rows padded to fixed widths.
-        ``turn_stats`` are this replica's."""
+        """Generate, reward and filter one generation batch of ``cursor.batch_size`` prompts; rows padded
+        to fixed widths. ``turn_stats`` are this replica's."""
         n, dp = self.rollout_cfg.n, self.dims.rollout_ranks  # DP replicas, or every replica-holding rank
         idx = self.cursor.next_batch()
         B = len(idx)
@@ -284,20 +292,22 @@ class GenerationStage:
         timing["timing_s/gen"] += time.perf_counter() - t0
         t2 = time.perf_counter()
         algo = self.cfg.algorithm
+        metric = dialogue.binarize(s.filter_metric, self.sampling.threshold.value(step))
         adv = dk.group_filter(s.reward, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
-            keep = dk.group_filter(s.filter_metric, group_size=n).check().keep
+            keep = dk.group_filter(metric, group_size=n).check().keep
         else:
             keep = torch.ones(len(s.reward), dtype=torch.bool)
         group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
-        keep &= ~s.failed.view(B, n).any(1).repeat_interleave(n)  # on_error=drop: never train on a failed group
+        keep = keep & ~s.failed.view(B, n).any(1).repeat_interleave(n)  # on_error=drop: never train on failed groups
         tensors = {"prompt_ids": s.prompt_ids, "prompt_len": s.prompt_len, "response_ids": s.response_ids,
                    "response_len": s.response_len, "rollout_log_prob": s.log_probs, "response_mask": s.sampled,
                    "advantages": adv.advantages.float(), "score": s.score, "acc": s.acc, "reward": s.reward,
                    "truncated": ~s.stopped, "num_turns": s.turns}
         timing["timing_s/filter"] = time.perf_counter() - t2
-        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": s.filter_metric,
-                "turn_stats": turn_stats, "timing": timing, "tokens": int(s.prompt_len.sum() + s.response_len.sum()),
+        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric,
+                "raw_metric": s.filter_metric, "rows": idx, "turn_stats": turn_stats, "timing": timing,
+                "tokens": int(s.prompt_len.sum() + s.response_len.sum()),
                 "local_tokens": local_tokens, "components": {lo * n + i: c for i, c in enumerate(comps)}}
 
     def collect(self, step: int):
@@ -306,10 +316,17 @@ class GenerationStage:
         timing, tokens, local_tokens, k = dict.fromkeys(_TIMINGS, 0.0), 0, 0, 0
         turn_stats = defaultdict(float)
         dump = [] if self.cfg.trainer.rollout_data_dir and self.dims.rank == 0 else None
-        truncated = sampled = 0  # over every generated response, kept or not
-        while not self.accumulator.ready:
+        truncated = sampled = prompts = 0  # over every generated response, kept or not
+        fg, n, acc = self.cfg.algorithm.filter_groups, self.rollout_cfg.n, self.accumulator
+        raw_metrics, warned = [], False
+        while not acc.ready:
+            if fg.on_exhausted == "short_batch" and 0 < self.max_rounds <= k:
+                break
+            self.cursor.batch_size = self.sampling.gen_size(acc.num_buffered_groups, k)
             gb = self.generation_batch(step, k)
             k += 1
+            prompts += len(gb["rows"])
+            raw_metrics.append(gb["raw_metric"])
             if dump is not None:
                 dump.append(gb)
             for key, v in gb["turn_stats"].items():
@@ -321,14 +338,33 @@ class GenerationStage:
             truncated += int(gb["tensors"]["truncated"].sum())
             sampled += len(gb["tensors"]["truncated"])
             t0 = time.perf_counter()
-            self.accumulator.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+            self.sampling.observe_round(round_counts([self.sources[i] for i in gb["rows"]], gb["keep"]))
+            acc.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+            if not warned and fg.enable and not acc.ready:
+                warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb["rows"]), self.max_rounds,
+                                                          log=self.dims.rank == 0)
             timing["timing_s/filter"] += time.perf_counter() - t0
         if dump:
             self._dump_rollouts(step, dump)
-        batch = self.accumulator.take(self.cfg.algorithm.filter_groups.prefer, "response_len",
-                                      seed=self.seed(step, -2))
-        am = self.accumulator.last_metrics
+        short = not acc.ready
+        if short and acc.num_buffered_groups == 0:
+            raise dk.DynamicSamplingExhausted(acc.exhausted_message() + " (on_exhausted=short_batch: no group to "
+                                              "train on)")
+        batch = acc.take(fg.prefer, "response_len", seed=self.seed(step, -2),
+                         num_groups=short_batch_groups(acc.num_buffered_groups,
+                                                       self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+                         if short else None)
+        threshold = self.sampling.threshold.value(step)
+        if raw_metrics:
+            self.sampling.threshold.observe(torch.cat(raw_metrics), n)
+        am = acc.last_metrics
         metrics = {ours: am[theirs] for ours, theirs in _SAMPLING_METRICS.items()}
+        metrics.update(self.sampling.step_metrics(
+            rounds=k, prompts=prompts, responses=sampled, kept=am["dynamic_sampling/groups_kept"],
+            discarded=am["dynamic_sampling/groups_discarded"], n=n, buffered=acc.num_buffered_groups,
+            threshold=threshold))
+        metrics["sampling/short_batch"] = float(short)
+        metrics["sampling/warned"] = float(warned)
         metrics.update({
             "train/gen_tokens": tokens, "train/gen_responses": sampled,
             # Cut at max_response_length among all sampled responses (the train batch's own rate,

@@ -36,6 +36,7 @@ from . import checkpoint as ckpt
 from . import data as data_mod
 from . import envs
 from .actor import Actor, PipelinedActor
+from .adaptive_sampling import gen_time_share
 from .batch_metrics import batch_metrics
 from .config import Config, dump_config
 from .generation import GenerationStage
@@ -216,6 +217,7 @@ class DAPOTrainer:
         metrics.update(batch_metrics(batch, self.cfg.data.max_response_length))
         metrics["timing_s/step"] = time.perf_counter() - t0
         metrics["perf/tokens_per_s"] = metrics["train/gen_tokens"] / max(metrics["timing_s/step"], 1e-9)
+        metrics["perf/gen_time_share"] = gen_time_share(metrics)  # generation vs the update and weight sync
         self.global_step = step
         return metrics
 

@@ -172,6 +172,18 @@ def filter_metric_mapping_not_empty(cfg: Config) -> None:
 
 
 @rule
+def filter_groups_adaptive_consistent(cfg: Config) -> None:
+    fg, key = cfg.algorithm.filter_groups, "algorithm.filter_groups"
+    require(fg.reward_threshold_schedule == "constant" or None not in (fg.reward_threshold, fg.reward_threshold_end),
+            f"{key}.reward_threshold_end", f"reward_threshold_schedule={fg.reward_threshold_schedule} needs "
+            f"reward_threshold (the start) and reward_threshold_end, got {fg.reward_threshold}, "
+            f"{fg.reward_threshold_end}")
+    lo, hi = fg.min_gen_batch_size, fg.max_gen_batch_size
+    require(lo is None or hi is None or lo <= hi, f"{key}.min_gen_batch_size",
+            f"must be <= max_gen_batch_size ({hi}), got {lo}")
+
+
+@rule
 def overlong_buffer_within_response(cfg: Config) -> None:
     ob, max_len = cfg.reward_model.overlong_buffer, cfg.data.max_response_length
     require(not ob.enable or 0 < ob.len <= max_len, "reward_model.overlong_buffer.len",

@@ -13,7 +13,7 @@ from dapo_kernels.validation import CLIP_RATIO_RANGES
 
 from ..rollout.base import EngineSettings, RolloutConfig
 from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, Logger, LossAggMode,
-                      OnError, ParamDtype, ResumeMode, Scorer, Strategy, Truncation)
+                      OnError, OnExhausted, ParamDtype, ResumeMode, Scorer, Strategy, ThresholdSchedule, Truncation)
 from .fields import ANY, INT32_MAX, above, at_least, setting, within
 
 POSITIVE = at_least(1)
@@ -175,6 +175,26 @@ class FilterGroupsConfig:
     # Which kept groups fill the train batch when more were kept than it needs (the rest are
     # carried over): arrival order, longest responses / dialogues first, or random.
     prefer: KeepPreference = "first"
+    # reward_threshold per step: constant; linear from reward_threshold (step 1) to reward_threshold_end
+    # (the last step); target_keep_rate: moved within [reward_threshold, reward_threshold_end] after each
+    # step to the value whose keep rate on that step's groups is nearest target_keep_rate.
+    reward_threshold_schedule: ThresholdSchedule = "constant"
+    reward_threshold_end: Optional[float] = setting(None, range=ANY)
+    target_keep_rate: float = setting(0.5, range=within(0, 1, open_lo=True, open_hi=True))
+    # max_num_gen_batches reached without a full train batch: raise (verl) or train on the kept groups.
+    on_exhausted: OnExhausted = "error"
+    # Adaptive generation size (dapo_trainer.adaptive_sampling): each generation batch sized from a running
+    # keep-rate estimate so that target_rounds batches fill the train batch with probability adaptive_quantile.
+    adaptive: bool = False
+    target_rounds: int = setting(1, range=POSITIVE)
+    adaptive_quantile: float = setting(0.9, range=within(0, 1, open_lo=True, open_hi=True))
+    # Weight of the previous round's counts in the estimate (older rounds: its powers).
+    adaptive_forgetting: float = setting(0.5, range=within(0, 1, open_lo=True))
+    min_gen_batch_size: Optional[int] = setting(None, range=POSITIVE)  # None: the data-parallel size
+    # None: what the rollout KV cache fits in rollout.gpu_memory_utilization of the device (memory model).
+    max_gen_batch_size: Optional[int] = setting(None, range=POSITIVE)
+    # sampling/dead_loop_rate counts the steps needing more generation batches than this.
+    dead_loop_rounds: int = setting(2, range=POSITIVE)
 
 
 @dataclass

@@ -30,6 +30,18 @@ per mini-batch the gradients of the earlier ones are there at the later ones' ba
 holds by its size. :func:`rollout_memory` counts the rollout engine: its weights and the KV cache
 of the sequences generated at once. ``benchmarks/bench_memory_model.py`` checks the training side
 against the peak measured on the CPU.
+
+Pipeline parallelism (``Parallel.pp`` ranks, ``vpp`` chunks each; :mod:`dapo_trainer.parallel.pipeline`)
+is counted per pipeline rank (:func:`stage_memory`) and :func:`train_memory` answers the largest.
+Rank ``r`` holds ``num_layers / pp`` layers, the embedding on the first rank, the final norm and
+``lm_head`` on the last (a copy of a tied embedding). Its activations are one micro-batch's through
+those layers times the micro-batches in flight: ``pp - r`` under 1F1B (the first rank ``pp``),
+``pp - r + (pp - 1) / vpp`` full-stage units under interleaving, at most ``micro_batches``; the final
+norm's 3 H and the loss on the last rank only, RoPE's cos / sin on every rank, and on every rank
+but the last its output kept for the backward (H). ``pipe``: the engine's receive buffers,
+allocated for every micro-batch of a schedule (``PipelineStage``): on all but the first rank the
+inputs of the update's schedule, their gradients and the inputs of one forward-only schedule (old
+log-probs), on all but the last the output gradients: each ``micro_batches x tokens x H``.
 """
 from __future__ import annotations
 
@@ -47,6 +59,8 @@ class Parallel:
     tp: int = 1
     fsdp: int = 1  # ranks the parameters, gradients and optimizer states are sharded over
     sp: int = 1
+    pp: int = 1  # pipeline ranks: the decoder layers split over them
+    vpp: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
 
 
 def activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, checkpointing: bool) -> Dict[str, float]:
@@ -59,26 +73,70 @@ def activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, checkpointing
     return {"kept": kept, "layer": layer}
 
 
+def stage_params(cfg: ModelConfig, pp: int = 1, rank: int = 0) -> int:
+    """Parameters (unsharded) on pipeline rank ``rank`` of ``pp``: its ``num_layers / pp`` layers,
+    the embedding on the first rank, the final norm and ``lm_head`` on the last (ValueError unless
+    ``pp`` divides the layers); at ``pp=1`` ``cfg.num_params()``."""
+    if pp < 1 or cfg.num_layers % pp:
+        raise ValueError(f"par.pp={pp} must be >= 1 and divide the model's {cfg.num_layers} decoder layers")
+    if not 0 <= rank < pp:
+        raise ValueError(f"rank must be in [0, {pp}), got {rank}")
+    if pp == 1:
+        return cfg.num_params()
+    H, E = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
+    per_layer = (cfg.num_params(embeddings=False) - H) // cfg.num_layers
+    # Under PP the last rank holds lm_head, or with tied embeddings a copy of the embedding.
+    return per_layer * cfg.num_layers // pp + (E if rank == 0 else 0) + (H + E if rank == pp - 1 else 0)
+
+
+def in_flight(pp: int, vpp: int, rank: int, micro_batches: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at once, in units of one
+    micro-batch through its ``num_layers / pp`` layers (benchmarks/bench_pipeline.py measures them)."""
+    return min(float(micro_batches), pp - rank + ((pp - 1) / vpp if vpp > 1 else 0))
+
+
+def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "float32",
+                 checkpointing: bool = False, offload: bool = False, par: Parallel = Parallel(),
+                 micro_batches: int = 1, foreach: bool = True) -> Dict[str, float]:
+    """Bytes on pipeline rank ``rank`` of one update step on micro-batches of ``tokens`` tokens
+    (see the module doc); ``micro_batches``: per mini-batch (under PP at least ``pp x vpp``)."""
+    pp, v = par.pp, par.vpp
+    if pp > 1 and micro_batches < pp * v:
+        raise ValueError(f"micro_batches={micro_batches} must be >= par.pp x par.vpp = {pp * v}: "
+                         "every pipeline stage needs a micro-batch")
+    b = DTYPE_BYTES[dtype]
+    first, last = rank == 0, rank == pp - 1
+    P = stage_params(cfg, pp, rank) / (par.tp * par.fsdp)
+    t = -(-tokens // par.sp)  # tokens this rank holds
+    V, H = cfg.vocab_size / par.tp, cfg.hidden_size
+    layers = cfg.num_layers // pp
+    act = activation_bytes_per_token(cfg, b, checkpointing)
+    # One micro-batch through this rank's layers; at pp=1 act["kept"] (its outer 3 H + 2 D on the one rank).
+    kept = (act["kept"] - (cfg.num_layers - layers) * (H * b if checkpointing else act["layer"])
+            - (0 if last else 3 * H * b) + (0 if last else H * b))
+    kept -= layers * H * b if offload and checkpointing else 0
+    activations = in_flight(pp, v, rank, micro_batches) * t * kept + (t * act["layer"] if checkpointing else 0)
+    rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
+    largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp) / par.fsdp
+    out = {"params": P * b, "grads": P * b, "optimizer": 2 * P * b, "optimizer_step": (P if foreach else largest) * b,
+           "activations": activations, "backward": t * 2 * H * b,
+           "loss": 4 * V * H + 4 * t * H + 3 * 4 * rows * V if last else 0.0,
+           "pipe": micro_batches * t * H * b * ((0 if first else 3) + (0 if last else 1)) if pp > 1 else 0.0}
+    backward = (out["params"] + out["optimizer"] + out["activations"] + out["backward"] + out["loss"] + out["pipe"]
+                + (out["grads"] if micro_batches > 1 else 0))
+    out["peak"] = max(backward, out["params"] + out["grads"] + out["optimizer"] + out["optimizer_step"] + out["pipe"])
+    out["stage"] = rank
+    return out
+
+
 def train_memory(cfg: ModelConfig, tokens: int, *, dtype: str = "float32", checkpointing: bool = False,
                  offload: bool = False, par: Parallel = Parallel(), micro_batches: int = 1,
                  foreach: bool = True) -> Dict[str, float]:
-    """Bytes per rank of one update step on micro-batches of ``tokens`` tokens (see the module doc)."""
-    b = DTYPE_BYTES[dtype]
-    P = cfg.num_params() / (par.tp * par.fsdp)
-    t = -(-tokens // par.sp)  # tokens this rank holds
-    V, H = cfg.vocab_size / par.tp, cfg.hidden_size
-    act = activation_bytes_per_token(cfg, b, checkpointing)
-    kept = act["kept"] - (cfg.num_layers * H * b if offload and checkpointing else 0)
-    activations = t * kept + (t * act["layer"] if checkpointing else 0)
-    rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
-    largest = max(V * H, cfg.intermediate_size * H / par.tp) / par.fsdp  # the embedding or an MLP matrix
-    out = {"params": P * b, "grads": P * b, "optimizer": 2 * P * b, "optimizer_step": (P if foreach else largest) * b,
-           "activations": activations, "backward": t * 2 * H * b,
-           "loss": 4 * V * H + 4 * t * H + 3 * 4 * rows * V}
-    backward = (out["params"] + out["optimizer"] + out["activations"] + out["backward"] + out["loss"]
-                + (out["grads"] if micro_batches > 1 else 0))
-    out["peak"] = max(backward, out["params"] + out["grads"] + out["optimizer"] + out["optimizer_step"])
-    return out
+    """Bytes per rank of one update step on micro-batches of ``tokens`` tokens (see the module doc):
+    under PP the pipeline rank with the largest peak (its index in ``"stage"``)."""
+    stages = [stage_memory(cfg, tokens, r, dtype=dtype, checkpointing=checkpointing, offload=offload, par=par,
+                           micro_batches=micro_batches, foreach=foreach) for r in range(par.pp)]
+    return max(stages, key=lambda m: m["peak"])
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> float:

@@ -184,33 +184,51 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     world = hw.devices
     # Dense replicas (DDP) while the states take at most half the usable memory; else FSDP over every
     # device, up to STATE_SHARE (the rest is for activations: the token cap search below checks it).
-    # One device has no one to shard with: DDP up to STATE_SHARE.
-    layouts = [(1, 1, "ddp", 0.5), (world, 1, "fsdp2", STATE_SHARE)] if world > 1 else [(1, 1, "ddp", STATE_SHARE)]
-    chosen = None
-    for fsdp, tp, strategy, share in layouts:
-        static = train_memory(cfg, 1, dtype=hw.dtype, par=Parallel(tp=tp, fsdp=fsdp))
+    # One device has no one to shard with: DDP up to STATE_SHARE. Then pipeline stages (the smallest
+    # count dividing the layers and the devices), FSDP over the devices left per stage.
+    layouts = [(1, 1, 1, "ddp", 0.5), (world, 1, 1, "fsdp2", STATE_SHARE)] if world > 1 else \
+        [(1, 1, 1, "ddp", STATE_SHARE)]
+    layouts += [(world // pp, 1, pp, "fsdp2" if world > pp else "ddp", STATE_SHARE) for pp in range(2, world + 1)
+                if world % pp == 0 and cfg.num_layers % pp == 0]
+    chosen, tried = None, []
+    for fsdp, tp, pp, strategy, share in layouts:
+        # The states of the pipeline rank holding the most (the embedding's or lm_head's stage).
+        static = train_memory(cfg, 1, dtype=hw.dtype, par=Parallel(tp=tp, fsdp=fsdp, pp=pp), micro_batches=pp)
         states = static["params"] + static["grads"] + static["optimizer"]
-        # Sharded training keeps an unsharded replica for the sampler (dapo_trainer.trainer).
-        replica = P * b if strategy == "fsdp2" else 0
+        # Sharded training keeps an unsharded replica for the sampler (dapo_trainer.trainer), as every pipeline rank.
+        replica = P * b if strategy == "fsdp2" or pp > 1 else 0
+        tried.append((pp, states + replica))
         if states + replica <= share * budget:
-            chosen = (fsdp, tp, strategy, states, replica)
+            chosen = (fsdp, tp, pp, strategy, states, replica)
             break
     if chosen is None:
-        raise ValueError(f"{_count(P)} parameters need {(states + replica) / GIB:.1f} GiB per device for "
+        fsdp, tp, pp, strategy, share = layouts[min(1, len(layouts) - 1)]
+        need = tried[min(1, len(tried) - 1)][1]
+        at_pp = "".join(f"; at pipeline_model_parallel_size={k} {n / GIB:.1f} GiB on its largest stage"
+                        for k, n in tried if k > 1)
+        raise ValueError(f"{_count(P)} parameters need {need / GIB:.1f} GiB per device for "
                          f"weights, gradients and Adam states ({strategy}, {fsdp} shard(s)"
-                         f"{', with the sampler replica' if replica else ''}), over {share:.0%} of {hardware}'s "
-                         f"{budget / GIB:.0f} GiB usable; pick more or larger devices or a smaller model")
-    fsdp, tp, strategy, states, replica = chosen
+                         f"{', with the sampler replica' if strategy == 'fsdp2' else ''}){at_pp}, over {share:.0%} of "
+                         f"{hardware}'s {budget / GIB:.0f} GiB usable; pick more or larger devices or a smaller model")
+    fsdp, tp, pp, strategy, states, replica = chosen
     put("actor_rollout_ref.actor.strategy", strategy,
         f"{_count(P)} parameters: weights + gradients + AdamW states = {states / GIB:.1f} GiB per device "
         + ("(DDP: within its share of the usable memory)" if strategy == "ddp" else
            f"sharded over {fsdp} devices (+ {replica / GIB:.1f} GiB unsharded sampler replica)"))
     put("actor_rollout_ref.actor.tensor_model_parallel_size", tp,
         "FSDP sharding suffices; TP only helps when a layer's matmuls are too large for one device")
+    if pp > 1:
+        put("actor_rollout_ref.actor.pipeline_model_parallel_size", pp,
+            f"the layers do not fit one device's share at one stage ({tried[1][1] / GIB:.1f} GiB of weights, "
+            f"gradients, AdamW states and replica > {share:.0%} of {budget / GIB:.0f} GiB); {pp} stages of "
+            f"{cfg.num_layers // pp} layers hold {(states + replica) / GIB:.1f} GiB on the largest (stage "
+            f"{int(static['stage'])}), the smallest stage count dividing the {cfg.num_layers} layers that fits")
+    micro = max(2, pp)  # micro-batches per mini-batch: at least one per pipeline stage
 
     def fits(tokens, ckpt, offload, sp):
         m = train_memory(cfg, tokens * sp, dtype=hw.dtype, checkpointing=ckpt, offload=offload,
-                         par=Parallel(tp=tp, fsdp=fsdp, sp=sp), micro_batches=2, foreach=hw.device != "cpu")
+                         par=Parallel(tp=tp, fsdp=fsdp, sp=sp, pp=pp), micro_batches=micro,
+                         foreach=hw.device != "cpu")
         return m["peak"] + replica <= budget
 
     def max_tokens(ckpt, offload, sp):
@@ -230,7 +248,7 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
                     f"with it {cap}")
     if cap < seq:
         offload, cap = True, max_tokens(True, True, 1)
-    while cap < seq and sp < world and world % (sp * 2) == 0:
+    while cap < seq and pp == 1 and sp < world and world % (sp * 2) == 0:  # SP x PP: not supported
         sp *= 2
         cap = max_tokens(ckpt, offload, sp)
     if cap < seq:
@@ -244,7 +262,7 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
         f"one sequence ({seq} tokens) fits per rank" if sp == 1 else f"a {seq}-token sequence needs {sp} ranks")
     cap = min(cap, 65536)
     m = train_memory(cfg, cap * sp, dtype=hw.dtype, checkpointing=ckpt, offload=offload,
-                     par=Parallel(tp=tp, fsdp=fsdp, sp=sp), micro_batches=2, foreach=hw.device != "cpu")
+                     par=Parallel(tp=tp, fsdp=fsdp, sp=sp, pp=pp), micro_batches=micro, foreach=hw.device != "cpu")
     put("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", cap,
         f"largest multiple of 1024 (at most 65536) whose predicted peak {(m['peak'] + replica) / GIB:.1f} GiB "
         f"(activations {m['activations'] / GIB:.1f}, fused-loss workspace {m['loss'] / GIB:.2f}) stays under "
@@ -253,7 +271,7 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
         "token-capped micro-batches: variable-length responses pack to the cap instead of a fixed count")
 
     # ---- batches
-    dp = world // (tp * sp)
+    dp = world // (tp * sp * pp)
     n = 4 if hardware == "cpu" else task["n"]
     put("actor_rollout_ref.rollout.n", n, "CPU debugging: few responses" if hardware == "cpu" else
         f"{task_type}: {n} responses per prompt give the group baseline enough spread")
@@ -281,8 +299,13 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     mini = max(1, train_bs // 4)
     while train_bs % mini:
         mini -= 1
+    while mini * n < dp * pp and mini < train_bs:  # every stage of every DP replica needs a micro-batch
+        mini += 1
+        while train_bs % mini:
+            mini += 1
     put("actor_rollout_ref.actor.ppo_mini_batch_size", mini,
-        f"4 policy updates per step on the same samples ({train_bs} / {mini}), so the clip ratios act")
+        f"{train_bs // mini} policy updates per step on the same samples ({train_bs} / {mini}), so the clip ratios act"
+        + (f"; {mini} x n={n} rows >= DP {dp} x {pp} pipeline stages" if pp > 1 else ""))
 
     # ---- rollout memory
     kv_tok = kv_bytes_per_token(cfg, b, 1)

@@ -274,10 +274,11 @@ def _as_count(name: str, value, device, *, positive: bool = False) -> torch.Tens
                                  expected="finite and >= 0", device=device)
 
 
-def _inverse_count(count: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 / count; a zero count with a non-empty mask (a mean silently turned into a sum) gives NaN,
-    without a host sync, which the trainer's non-finite guard refuses (a Python 0 raised before)."""
-    return torch.where((count == 0) & mask.any(), torch.nan, 1.0 / count.clamp(min=1.0))
+def _nan_if_zero(w: torch.Tensor, count: Optional[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """``w``, or NaN where a given count is 0 while the mask selects tokens: the clamp to 1 would
+    silently turn the mean into a sum. No host sync; the trainer's non-finite guard refuses the step
+    (a Python 0 is refused before, on the host)."""
+    return w if count is None else torch.where((count == 0) & mask.any(), torch.nan, w)
 
 
 def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
@@ -312,15 +313,14 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_s
     if loss_scale_factor is not None:
         loss_scale_factor = _as_count("loss_scale_factor", loss_scale_factor, dev, positive=True)
     if mode == "token-mean":
-        if num_tokens is None:
-            return (1.0 / mask.sum(dtype=torch.float64).clamp(min=1.0)).reshape(1)
-        return _inverse_count(num_tokens, mask).reshape(1)
+        n = mask.sum(dtype=torch.float64) if num_tokens is None else num_tokens
+        return _nan_if_zero(1.0 / n.clamp(min=1.0), num_tokens, mask).reshape(1)
     if mode == "token-sum":
         return torch.ones(1, dtype=torch.float64, device=dev)
     lens, seq_id, horizon = _seq_lengths(mask, cu_seqlens)
     present = (lens > 0).double()
-    w_seq = present * (1.0 / present.sum().clamp(min=1.0) if num_seqs is None
-                       else _inverse_count(num_seqs, mask))
+    nseq = present.sum() if num_seqs is None else num_seqs
+    w_seq = _nan_if_zero(present / nseq.clamp(min=1.0), num_seqs, mask)
     if mode == "seq-mean-token-mean":
         w_seq = w_seq / lens.clamp(min=1.0)
     elif mode == "seq-mean-token-sum-norm":

@@ -65,6 +65,12 @@ def _clamp_nan(x, lo, hi):
 
 
 @triton.jit
+def _f64(hi, lo):
+    """An fp64 scalar from its two fp32 halves (a float kernel argument is fp32 on the GPU)."""
+    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+
+
+@triton.jit
 def _pg_token_terms(b_lp, b_old, b_adv, clip_ratio_low, clip_ratio_high, clip_ratio_c):
     """Per-token loss, dL/dlog_prob and the metric indicators (inputs already fp64)."""
     b_d = b_lp - b_old
@@ -105,7 +111,8 @@ def _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok, W_STRIDE: tl.
 
 @triton.jit
 def _policy_loss_fwd_kernel(
-    p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+    p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_low_hi, clip_low_lo, clip_high_hi,
+    clip_high_lo, clip_c_hi, clip_c_lo,
     W_STRIDE: tl.constexpr, BLOCK: tl.constexpr, NUM_SUMS: tl.constexpr,
 ):
     """This block's partial sums into row ``i_b`` of ``p_part``, in PolicyLossSums' field order."""
@@ -113,8 +120,9 @@ def _policy_loss_fwd_kernel(
     o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
                                                                W_STRIDE, BLOCK)
     b_m = b_m.to(tl.float64)
-    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_ratio_low, clip_ratio_high,
-                                                              clip_ratio_c)
+    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(
+        b_lp, b_old, b_adv, _f64(clip_low_hi, clip_low_lo), _f64(clip_high_hi, clip_high_lo),
+        _f64(clip_c_hi, clip_c_lo))
     p_out = p_part + i_b.to(tl.int64) * NUM_SUMS
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
     tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
@@ -125,21 +133,34 @@ def _policy_loss_fwd_kernel(
 
 @triton.jit
 def _policy_loss_bwd_kernel(
-    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_dlp, n_tok, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_dlp, n_tok, clip_low_hi, clip_low_lo, clip_high_hi,
+    clip_high_lo, clip_c_hi, clip_c_lo,
     W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
                                                                W_STRIDE, BLOCK)
     b_g = tl.load(p_g).to(tl.float64)
-    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(b_lp, b_old, b_adv, clip_ratio_low, clip_ratio_high,
-                                                              clip_ratio_c)
+    b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(
+        b_lp, b_old, b_adv, _f64(clip_low_hi, clip_low_lo), _f64(clip_high_hi, clip_high_lo),
+        _f64(clip_c_hi, clip_c_lo))
     b_grad = tl.where(b_m, b_g * b_w * b_dl, 0.0)
     # Through fp32: triton 3.9's interpreter converts fp64 -> bf16 wrongly (NaN, garbage).
     tl.store(p_dlp + o_t, b_grad.to(tl.float32).to(p_dlp.dtype.element_ty), mask=m_t)
 
 
 # --------------------------------------------------------------------------- launchers
+def _fp32_pair(x: float):
+    """``(hi, lo)`` fp32-exact halves of ``x`` with ``hi + lo`` = x to ~2^-48: the kernels rebuild the
+    clip ratios in fp64 (their bounds 1 - clip_ratio_low etc. must not round to fp32)."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
+def _clip_args(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
+    return (*_fp32_pair(clip_ratio_low), *_fp32_pair(clip_ratio_high), *_fp32_pair(clip_ratio_c))
+
+
 def _dense(*ts: torch.Tensor):
     """The kernels address token ``i`` of every input at offset ``i``."""
     return [t.contiguous() for t in ts]
@@ -153,7 +174,7 @@ def _sums_triton(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ra
     if n == 0:
         return part.zero_()[0]
     _policy_loss_fwd_kernel[(cdiv(n, _BLOCK),)](
-        lp, old, adv, mask.view(torch.uint8), w, part, n, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+        lp, old, adv, mask.view(torch.uint8), w, part, n, *_clip_args(clip_ratio_low, clip_ratio_high, clip_ratio_c),
         W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK, NUM_SUMS=_NUM_SUMS,
     )
     return part.sum(0)
@@ -167,7 +188,7 @@ def _grad_triton(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip
     if n:
         _policy_loss_bwd_kernel[(cdiv(n, _BLOCK),)](
             g.reshape(1), lp, old, adv, mask.view(torch.uint8), w, dlp, n,
-            clip_ratio_low, clip_ratio_high, clip_ratio_c,
+            *_clip_args(clip_ratio_low, clip_ratio_high, clip_ratio_c),
             W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
         )
     return dlp

@@ -308,7 +308,8 @@ class GenerationStage:
         return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric,
                 "raw_metric": s.filter_metric, "rows": idx, "turn_stats": turn_stats, "timing": timing,
                 "tokens": int(s.prompt_len.sum() + s.response_len.sum()),
-                "local_tokens": local_tokens, "components": {lo * n + i: c for i, c in enumerate(comps)}}
+                "local_tokens": local_tokens, "components": {lo * n + i: c for i, c in enumerate(comps)},
+                "failed_groups": s.failed.view(B, n).any(1).sum()}
 
     def collect(self, step: int):
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
@@ -318,7 +319,7 @@ class GenerationStage:
         dump = [] if self.cfg.trainer.rollout_data_dir and self.dims.rank == 0 else None
         truncated = sampled = prompts = 0  # over every generated response, kept or not
         fg, n, acc = self.cfg.algorithm.filter_groups, self.rollout_cfg.n, self.accumulator
-        raw_metrics, warned = [], False
+        raw_metrics, warned, failed_groups = [], False, 0
         while not acc.ready:
             if fg.on_exhausted == "short_batch" and 0 < self.max_rounds <= k:
                 break
@@ -339,7 +340,14 @@ class GenerationStage:
             sampled += len(gb["tensors"]["truncated"])
             t0 = time.perf_counter()
             self.sampling.observe_round(round_counts([self.sources[i] for i in gb["rows"]], gb["keep"]))
-            acc.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+            failed_groups = failed_groups + gb["failed_groups"]
+            try:
+                acc.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+            except dk.DynamicSamplingExhausted as e:
+                if int(failed_groups):  # the accumulator sees only kept / dropped, not why
+                    raise dk.DynamicSamplingExhausted(f"{e} Groups dropped for environment errors "
+                                                      f"(environment.on_error=drop): {int(failed_groups)}.") from None
+                raise
             if not warned and fg.enable and not acc.ready:
                 warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb["rows"]), self.max_rounds,
                                                           log=self.dims.rank == 0)

@@ -211,7 +211,11 @@ def write_analysis(plt, rollout_dir: str, metrics: Sequence[dict], out_dir: str,
         for x in flagged[:max_table_rows])
     more = (f"<p>{len(flagged) - max_table_rows} more flagged samples not shown.</p>"
             if len(flagged) > max_table_rows else "")
+    # A step the carried-over groups filled generated nothing, so it has no dump: say so, not leave a gap.
+    carried = [m["step"] for m in metrics if m.get("train/num_gen_batches") == 0 and "step" in m]
+    why = (f" Steps {', '.join(map(str, carried))} trained only on groups carried over from earlier steps: they "
+           f"generated nothing, so they have no dump." if carried else "")
     section = (f"<h2>Batch quality</h2><p>{len(rows)} dumped samples from {esc(os.path.abspath(rollout_dir))}; "
-               f"{len(flagged)} flagged. Rules:</p><ul>{rules}</ul>"
+               f"{len(flagged)} flagged.{esc(why)} Rules:</p><ul>{rules}</ul>"
                f"<table class='flags'><tr>{head}</tr>{body}</table>{more}")
     return figures, section

@@ -73,3 +73,40 @@ def test_run_records_its_config_and_a_failed_start_keeps_old_metrics(tmp_path, m
     with pytest.raises(RuntimeError, match="generation failed"):
         again.fit()
     assert (run / "metrics.jsonl").read_text() == before
+
+
+BROKEN_ENV = """
+class Broken:
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, history):
+        raise RuntimeError("the environment's service is down")
+"""
+
+
+def test_exhausted_sampling_counts_groups_dropped_for_environment_errors(tmp_path):
+    from tests.trainer.test_multiturn import echo_setup
+
+    overrides = echo_setup(tmp_path) + ONE_STEP + [
+        "environment.name=Broken", "environment.on_error=drop", "algorithm.filter_groups.max_num_gen_batches=2",
+        "data.gen_batch_size=2", "data.val_files=[]"]
+    (tmp_path / "env.py").write_text(BROKEN_ENV)
+    with pytest.raises(Exception, match=r"dropped for environment errors \(environment.on_error=drop\): 4\."):
+        DAPOTrainer(load_config(overrides=overrides)).fit()
+
+
+def test_report_says_why_carried_over_steps_have_no_dump(tmp_path):
+    from dapo_trainer.tools import batch_quality
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dump = tmp_path / "rollouts"
+    batch_quality.write_step(str(dump), 1, [{"step": 1, "gen_batch": 0, "group": 0, "sample": 0, "kept": True,
+                                             "reward": 1.0, "response_length": 3, "finish_reason": "stop",
+                                             "prompt": "1+1=", "response": "2"}])
+    metrics = [{"step": 1, "train/num_gen_batches": 1}, {"step": 2, "train/num_gen_batches": 0}]
+    _, html = batch_quality.write_analysis(plt, str(dump), metrics, str(tmp_path))
+    assert "Steps 2 trained only on groups carried over" in html

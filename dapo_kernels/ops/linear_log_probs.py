@@ -194,7 +194,7 @@ def _add_dw(d_w: torch.Tensor, dz: torch.Tensor, x: torch.Tensor, first: bool) -
     V = 152k, H = 4096), over the workspace budget (NOTES_fused_loss.md)."""
     beta = 0 if first else 1
     if d_w.is_cuda or d_w.dtype == torch.float32:
-        d_w.addmm_(dz.t(), x, beta=beta)
+        torch.addmm(d_w, dz.t(), x, beta=beta, out=d_w)
     else:  # the CPU run of a 16-bit input: the same fp32 sum, rounded once
         d_w.copy_(torch.addmm(d_w.float(), dz.t().float(), x.float(), beta=beta))
 

@@ -294,14 +294,16 @@ def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
 
 
 def workspace_bytes(n: int, h: int, v: int, dtype: torch.dtype) -> int:
-    """Bytes the Triton path allocates beyond the inputs and the returned dH / dW at its peak (a
-    chunk's dW update): the fp32 logits chunk, the fp32 dH (unless it is the returned one), the
-    chunk's masked hidden rows, and the per-row vectors (fp64 statistics and results, the kernels'
-    fp32 arguments). gpu_check and tests/ops/test_linear_log_probs_workspace.py compare it with
-    measured peaks."""
+    """Bytes the Triton path holds at its peak beyond the inputs and the returned dH / dW: the fp32
+    logits chunk, the fp32 dH (unless it is the returned one), the larger of the chunk's masked
+    hidden rows (dW update) and exact_logits' two fp64 ``[rows, H]`` blocks (row results), and the
+    per-row vectors (fp64 statistics and results, the kernels' arguments). gpu_check and
+    tests/ops/test_linear_log_probs_workspace.py compare it with measured peaks."""
     item = torch.empty((), dtype=dtype).element_size()
     c = chunk_rows(n, v)
-    return 4 * c * v + (4 * n * h if item != 4 else 0) + c * h * item + 8 * n * (NUM_STATS + 2 * NUM_ROWS + 8)
+    exact_rows = min(c, (32 << 20) // (16 * max(h, 1)))
+    return (4 * c * v + (4 * n * h if item != 4 else 0) + max(c * h * item, 2 * exact_rows * h * 8)
+            + 8 * n * (NUM_STATS + 2 * NUM_ROWS + 8))
 
 
 # --------------------------------------------------------------------------- custom ops

@@ -1,11 +1,12 @@
 """GEMM units of the Triton path of the lm_head ops, counted on its CPU run: a unit is one
 ``[N, H] x [H, V]`` product, 2 N H V FLOPs. ``torch.utils.flop_counter`` counts the torch matmuls
 (cuBLAS on a GPU), around the ops and inside their device implementations (a dispatch mode sees a
-custom op as one call, so the implementations run under a counter of their own); the two Triton kernels over the logits are elementwise and declare no matmul
-work (no ``tl.dot``: tests/test_aot_compile.py's EXPECTED_DOTS lists none of them), so the count
-is the whole matmul work. The fused loss: 3 units for forward and backward (logits, dH, dW; the
-floor of an exact method), 1 without grad; linear_log_probs: 1 for its forward, 3 for its backward
-(its upstream gradient is unknown in the forward, so the backward recomputes the logits)."""
+custom op as one call, so the implementations run under a counter of their own); the two Triton
+kernels over the logits are elementwise and declare no matmul work (no ``tl.dot``:
+tests/test_aot_compile.py's EXPECTED_DOTS lists none of them), so the count is the whole matmul
+work. The fused loss: 3 units for forward and backward (logits, dH, dW; the floor of an exact
+method), 1 without grad; linear_log_probs: 1 for its forward, 3 for its backward (its upstream
+gradient is unknown in the forward, so the backward recomputes the logits)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -190,8 +190,8 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) 
 
 def _add_dw(d_w: torch.Tensor, dz: torch.Tensor, x: torch.Tensor, first: bool) -> None:
     """``d_w (+)= dz^T x`` in ``d_w``'s dtype, summed in fp32 and rounded once per chunk (``beta=0`` on
-    the first: ``d_w`` need not be initialised). A 16-bit fp32 accumulator would be 2 x dW (2.5 GB at
-    V = 152k, H = 4096), over the workspace budget (NOTES_fused_loss.md)."""
+    the first: ``d_w`` need not be initialised). An fp32 accumulator for a 16-bit dW would be twice its
+    size (2.5 GB at V = 152k, H = 4096), over the workspace budget (NOTES_fused_loss.md)."""
     beta = 0 if first else 1
     if d_w.is_cuda or d_w.dtype == torch.float32:
         torch.addmm(d_w, dz.t(), x, beta=beta, out=d_w)

@@ -31,8 +31,6 @@ EXPECTED_DOTS = {
     "_varlen_attention_fwd_kernel": {"b_s", "b_pv"},
     "_varlen_attention_bwd_dkdv_kernel": {"b_st", "b_dv", "b_dpt", "b_dk"},
     "_varlen_attention_bwd_dq_kernel": {"b_s", "b_dp", "b_dq"},
-    "_linear_log_probs_fwd_kernel": {"b_acc"},
-    "_linear_log_probs_bwd_kernel": {"b_acc"},
 }
 
 _PTX = """

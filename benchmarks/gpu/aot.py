@@ -61,7 +61,6 @@ MIN_WGMMA_N = 64
 # no tensor-core instruction computes: those dots are FMA by design.
 MATMUL_KERNELS = (
     "_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel", "_varlen_attention_bwd_dq_kernel",
-    "_linear_log_probs_fwd_kernel", "_linear_log_probs_bwd_kernel",
 )
 B16 = ("float16", "bfloat16")
 

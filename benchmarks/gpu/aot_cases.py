@@ -40,10 +40,11 @@ def _launchers() -> Dict[str, Callable]:
     """The Triton launchers the cases call (registered by importing dapo_kernels)."""
     import dapo_kernels  # noqa: F401
     from dapo_kernels._registry import _impls
-    from dapo_kernels.ops.linear_log_probs import grads_triton, stats_triton
+    from dapo_kernels.ops.linear_log_probs import dlogits_triton, row_stats_triton
     names = ("varlen_attention_fwd", "varlen_attention_bwd", "policy_loss_sums", "policy_loss_grad",
              "group_filter", "overlong_penalty", "index_rows", "scatter_rows")
-    return {**{n: _impls[n]["triton"] for n in names}, "linear_stats": stats_triton, "linear_grads": grads_triton}
+    return {**{n: _impls[n]["triton"] for n in names}, "logits_stats": row_stats_triton,
+            "logits_grad": dlogits_triton}
 
 
 # --------------------------------------------------------------------------- launches
@@ -84,18 +85,19 @@ def _attention(specs) -> Iterator[Case]:
 
 
 def _linear(dtypes) -> Iterator[Case]:
-    """Statistics (with and without entropy) and the dlogits recompute of the lm_head ops."""
+    """The two elementwise kernels of the lm_head ops over a chunk's fp32 logits: the statistics
+    (with and without entropy) and dz written over the logits in ``dtype`` (the inputs' dtype)."""
     import torch
     launch = _launchers()
-    N, H, V = 128, 256, 512
+    C, V = 16, 5000  # V > 4096: the GPU tile (4096 columns) and a masked last tile
     for dt in dtypes:
         def run(dt=dt):
-            h, w, lab = torch.randn(N, H, dtype=dt), torch.randn(V, H, dtype=dt), torch.randint(0, V, (N,))
+            z, lab = torch.randn(C, V), torch.randint(0, V, (C,))
             for entropy in (False, True):
-                launch["linear_stats"](h, w, lab, 1.0, 0, entropy)
-            launch["linear_grads"](h, w, lab, 1.0, 0, torch.zeros(5, N, dtype=torch.float64), torch.ones(N),
-                                   torch.ones(N))
-        yield Case("linear_log_probs", _name(dt), "N=128 H=256 V=512", run)
+                launch["logits_stats"](z, lab, 1.0, 0, entropy)
+            launch["logits_grad"](z, lab, torch.zeros(5, C, dtype=torch.float64), torch.ones(C), torch.ones(C),
+                                  1.0, 0, dt)
+        yield Case("linear_log_probs", _name(dt), f"C={C} V={V}", run)
 
 
 def _policy_loss(dtypes) -> Iterator[Case]:

@@ -7,12 +7,15 @@
   and the issue's log-prob error < 1e-3 nats.
 * Speed (N=16384, H=4096, V=151936 bf16, token-mean DAPO loss, forward + backward):
   the three bf16 matmuls alone (logits, dH, dW: 6*N*H*V FLOPs, the physical limit) vs dk
-  Triton, Liger-Kernel's fused linear cross entropy (``LigerFusedLinearCrossEntropyLoss``: the
-  same three GEMM passes around a token-mean cross entropy instead of the DAPO loss, the lm_head
-  peer of issue 32), Liger's chunked ``LigerFusedLinearGRPOLoss`` and naive full fp32 logits +
-  log_softmax + autograd; TFLOP/s and peak extra memory for each (a peer that is not importable
-  gets a "not installed" row); for dk, the peak beyond the returned dH / dW (the workspace; goal
-  < 1 GB) beside ``workspace_bytes``' model.
+  Triton (the same three GEMM units per row chunk, fp32 logits, two elementwise kernels; goal
+  <= 1.15x the matmuls), Liger-Kernel's fused linear cross entropy
+  (``LigerFusedLinearCrossEntropyLoss``: three GEMM passes around a token-mean cross entropy
+  instead of the DAPO loss, the lm_head peer of issue 32), Liger's chunked
+  ``LigerFusedLinearGRPOLoss`` and naive full fp32 logits + log_softmax + autograd; TFLOP/s and
+  peak extra memory for each (a peer that is not importable gets a "not installed" row); for dk,
+  the peak beyond the returned dH / dW (the workspace; goal < 1 GB) beside ``workspace_bytes``'
+  model, and a predicted time: the matmuls as measured plus dk's extra bytes at the HBM rate
+  (``_extra_bytes``).
 
 Budget: ~90 s (Triton compilation and the naive 10 GB logits included).
 """
@@ -154,6 +157,16 @@ def _matmuls_ms(hidden, weight):
     return cuda_time_ms(matmuls, warmup=1, iters=3)
 
 
+HBM_BYTES_PER_S = 4.8e12  # H200
+
+
+def _extra_bytes(n, h, v, item):
+    """HBM bytes dk moves beyond the three bare matmuls' own traffic: the logits written in fp32
+    rather than 16-bit, read by the statistics kernel and by the dz kernel, dz written (the GEMMs
+    read it as the bare dH / dW do), and exact_logits' two gathered [N, H] weight rows in fp64."""
+    return n * v * ((4 - item) + 4 + 4 + item) + 2 * n * h * (item + 3 * 8)
+
+
 def _speed(report):
     hidden, weight, labels, old, adv, mask, _ = _inputs(N)
     flops = 6 * N * H * V
@@ -189,6 +202,8 @@ def _speed(report):
                 grads_mib = (h.numel() * h.element_size() + w.numel() * w.element_size()) / 2**20
                 model_mib = workspace_bytes(N, H, V, h.dtype) / 2**20
                 metric += f" = grads {grads_mib:.0f} + workspace {mem - grads_mib:.0f} (model {model_mib:.0f})"
+                pred = base_ms + _extra_bytes(N, H, V, h.element_size()) / HBM_BYTES_PER_S * 1e3
+                metric += f"; predicted {pred:.1f} ms ({pred / base_ms:.2f}x) from bytes"
             report.add("fused_loss", case, impl=impl, ms=ms, metric=metric)
         except Exception as e:  # Liger / naive out of memory or broken: a row, not a crash
             report.add("fused_loss", case, impl=impl, status="skip" if impl != "dk triton" else "FAIL",

@@ -47,7 +47,7 @@ ROOT = HERE.parents[1]
 ORDER = {"fused_linear_policy_loss": 120, "varlen_attention": 180, "packing": 45, "group_filter": 45,
          "model": 60, "aot": 120}
 TOY_LIMIT_S = 120
-TOY_AOT_ARGS = "--set test --arch 90 --ops linear_log_probs"  # one matmul op: the shape table too
+TOY_AOT_ARGS = "--set test --arch 90 --ops varlen_attention --shard 0/17"  # one matmul case: the shape table too
 GPU_AOT_ARGS = "--set test --arch 90 --jobs 12 --driver"
 _PROBE = """
 import importlib.metadata as md, json, os, sys

@@ -85,7 +85,8 @@ def exact_logits(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
         idx = index[r0:r0 + step] - vocab_start
         inside = (idx >= 0) & (idx < v)
         rows = weight.index_select(0, idx.clamp(0, max(v - 1, 0))).double()
-        dot = torch.einsum("nh,nh->n", hidden[r0:r0 + step].double(), rows) * inv_temp
+        # Elementwise product and row sum, not a batched matmul: N*H work, no GEMM (the counted units).
+        dot = rows.mul_(hidden[r0:r0 + step].double()).sum(1) * inv_temp
         out[r0:r0 + step] = torch.where(inside, dot, 0.0)
     return out
 

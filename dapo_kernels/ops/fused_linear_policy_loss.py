@@ -2,10 +2,12 @@
 
 The loss of each token is known as soon as its log-prob is, so the op returns ``dH`` / ``dW``
 from the forward: the torch path reuses each fp32 logits chunk for the loss and its gradient
-(three matmuls in all); the Triton path runs the statistics kernel of
-:mod:`dapo_kernels.ops.linear_log_probs`, the per-token loss head, then that op's recomputing
-backward. The per-token loss is :func:`dapo_kernels.ops.policy_loss.pg_token_terms`, aggregated
-with :func:`dapo_kernels.ops.policy_loss.aggregation_weights`, in fp64 on ``[N]`` vectors.
+(three matmuls in all); the Triton path does the same per row chunk with the pieces of
+:mod:`dapo_kernels.ops.linear_log_probs`: fp32 logits by one GEMM, the statistics kernel, the
+per-token loss head, dz written over the logits, then dH and dW by two GEMMs (three GEMM units
+for forward and backward; the backward only scales them by the upstream gradient).
+The per-token loss is :func:`dapo_kernels.ops.policy_loss.pg_token_terms`, aggregated with
+:func:`dapo_kernels.ops.policy_loss.aggregation_weights`, in fp64 on ``[N]`` vectors.
 
 The custom op takes lists and returns a tensor; :class:`LossTokens`, :class:`LossParams` and
 :class:`LossSums` name their entries, converted at the boundary with ``list(x)`` /
@@ -24,7 +26,7 @@ from .._validation import check_flag, check_float, check_mask, check_tensor
 from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_linear_inputs, chunk_dlogits,
                          chunk_stats, grad_buffers, live_rows, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
-from .linear_log_probs import grads_triton, stats_triton
+from .linear_log_probs import grads_chunk, logit_chunks, row_stats_triton, triton_grad_buffers
 from .policy_loss import (aggregation_weights, check_agg, check_clips, metric_sums,
                           metrics_from_counts, pg_token_terms)
 
@@ -135,16 +137,27 @@ def _fused_torch(hidden, weight, labels, head, inv_temp, vocab_start, key, entro
 
 @register("fused_linear_policy_loss", "triton")
 def _fused_triton(hidden, weight, labels, head, inv_temp, vocab_start, key, entropy, compute_grad):
-    """Statistics kernel over all tokens, the loss head, then the recomputing backward."""
-    # fp64 lse / entropy / log-prob into the head and the backward; fp32 outputs.
-    stats = stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy)
-    rows = row_results(stats, key, hidden, weight, labels, inv_temp, vocab_start, entropy)
-    g_lp, g_ent, sums = head(rows[LOGP], rows[ENT], slice(None))
-    if not compute_grad:
-        d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
+    """Per row chunk: the fp32 logits (one GEMM unit), the statistics kernel, the row results and
+    the loss head on ``[C]`` vectors, then dz in place and dH / dW (two GEMM units)."""
+    n = hidden.shape[0]
+    log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=hidden.device)
+    if compute_grad:
+        d_h, d_w = triton_grad_buffers(hidden, weight)
     else:
-        d_h, d_w = grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent)
-    return sums, rows[LOGP].float(), rows[ENT].float(), d_h, d_w
+        d_h, d_w = hidden.new_empty((0, hidden.shape[1]), dtype=torch.float32), weight.new_empty((0, weight.shape[1]))
+    for sl, z in logit_chunks(hidden, weight):
+        stats = row_stats_triton(z, labels[sl], inv_temp, vocab_start, entropy)
+        # fp64 lse / entropy / log-prob into the head and dz; fp32 outputs.
+        rows = row_results(stats[None], key, hidden[sl], weight, labels[sl], inv_temp, vocab_start, entropy)
+        log_prob[sl], ent[sl] = rows[LOGP], rows[ENT]
+        g_lp, g_ent, part = head(rows[LOGP], rows[ENT], sl)
+        sums += part
+        if compute_grad:
+            grads_chunk(z, hidden[sl], weight, labels[sl], rows, g_lp, g_ent, inv_temp, vocab_start, d_h[sl], d_w,
+                        sl.start == 0)
+    return sums, log_prob, ent, d_h, d_w
 
 
 # --------------------------------------------------------------------------- custom op

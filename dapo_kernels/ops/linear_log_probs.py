@@ -4,15 +4,17 @@ The math (fp32-accumulated logits, fp64 row results, the exact target / argmax l
 :mod:`dapo_kernels.ops._row_stats`, shared with :mod:`dapo_kernels.ops.fused_linear_policy_loss`.
 
 Backends: ``torch`` (CPU) walks chunks of tokens with a ``[chunk, V]`` fp32 logits buffer;
-``triton`` (CUDA) reduces the statistics in one kernel over ``tokens x vocab`` tiles, and
-its backward recomputes logits tiles into ``dz`` for a chunk of the vocabulary, then does
-``dW`` and ``dH`` with tensor-core matmuls. ``fused_linear_policy_loss`` knows its per-token
-gradient as soon as a token's log-prob is known, so it returns ``dH``/``dW`` from the
-forward (torch: the logits chunk is reused, three matmuls in all).
+``triton`` (CUDA) walks row chunks too, in three GEMM units for a gradient: per chunk the fp32
+logits by one matmul (cuBLAS' fp32-output GEMM of the 16-bit operands), the row statistics and
+then ``dz`` by two elementwise Triton kernels over that buffer (``dz`` written over the logits
+in place), then ``dH`` and ``dW`` by two matmuls. ``fused_linear_policy_loss`` knows each token's
+gradient once its log-prob is known, so it runs all three per chunk in its forward.
+``linear_log_probs``' upstream gradient is unknown in the forward: its forward is one unit, its
+backward recomputes the logits (three units: four with the forward; NOTES_fused_loss.md).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import triton
@@ -21,62 +23,32 @@ import triton.language as tl
 from .._alloc import empty_output
 from .._registry import dispatch, register
 from ._row_stats import (ARG, ENT, LOGP, LSE, NUM_ROWS, NUM_STATS, accumulate_grads, all_reduce, chunk_dlogits,
-                         chunk_stats, check_linear_inputs, exact_dlogits, grad_buffers, live_rows, logits,
-                         row_results, set_exact_entries, token_chunks)
-from ._triton_utils import INTERPRET, cdiv
+                         chunk_stats, check_linear_inputs, exact_dlogits, grad_buffers, live_rows,
+                         logits, row_results, set_exact_entries, token_chunks)
+from ._triton_utils import INTERPRET, cdiv, next_pow2
 
-# GPU backward: one vocab chunk's dz buffer, large enough for full-size cuBLAS matmuls, bounded so the
-# workspace (workspace_bytes) stays under 1 GB at production sizes (NOTES_fused_loss.md).
-_TRITON_DZ_BYTES = 1 << 28
-# Grouped program order: the hidden rows of the programs in flight (<= this) stay in L2 while the vocab
-# tiles stream past them, instead of being re-read from HBM per tile (NOTES_fused_loss.md).
-_GROUP_BYTES = 16 << 20
-# 64 x 128 fp32 accumulator over 8 warps; fp32 inputs step K by 16, as their register-held IEEE
-# operand tiles spill at larger steps (NOTES_fused_loss.md, benchmarks/gpu/aot.py).
-_BLOCK_M, _BLOCK_V = 64, 128
-_BLOCK_K = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
+# GPU row chunk: its fp32 logits [C, V] (dz written over them) take at most this, so the workspace
+# (workspace_bytes) stays under 1 GB at N = 16k, H = 4096, V = 152k (NOTES_fused_loss.md).
+_CHUNK_BYTES = 640 << 20
+# Chunk rows in multiples of this (cuBLAS' output tiles), when the budget allows as many.
+_CHUNK_ALIGN = 128
+# One row per program: a chunk of ~1k rows gives every SM several programs streaming their row;
+# the interpreter pays per program, so it takes 16 rows at a time.
+_ROWS_PER_PROGRAM = 16 if INTERPRET else 1
+_MAX_BLOCK_V = 1024 if INTERPRET else 4096
 _NUM_WARPS = 8
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 # --------------------------------------------------------------------------- kernels
 @triton.jit
-def _grouped_pid(i_pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """(row block, column) of program ``i_pid`` in grouped order: ``GROUP_M`` row blocks walk all
-    ``num_n`` columns before the next group starts; rows fastest inside a group."""
-    i_g = i_pid // (GROUP_M * num_n)
-    first_m = i_g * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    i_in = i_pid % (GROUP_M * num_n)
-    return first_m + i_in % size_m, i_in // size_m
-
-
-@triton.jit
-def _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp,
-                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 ``hidden[o_m] @ weight[o_v].T * inv_temp`` as a [BLOCK_M, BLOCK_V] tile."""
-    b_acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        o_k = k + tl.arange(0, BLOCK_K).to(tl.int64)
-        m_k = o_k < H
-        b_h = tl.load(p_h + o_m[:, None] * H + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
-        b_w = tl.load(p_w + o_v[None, :] * H + o_k[:, None], mask=m_v[None, :] & m_k[:, None], other=0)
-        if UPCAST:
-            b_h = b_h.to(tl.float32)
-            b_w = b_w.to(tl.float32)
-        b_acc = tl.dot(b_h, b_w, b_acc, input_precision=PRECISION)
-    return b_acc * inv_temp
-
-
-@triton.jit
-def _linear_log_probs_fwd_kernel(
-    p_h, p_w, p_lab, p_stats, N, V, H, vocab_start, inv_temp, tiles_per_split, num_splits,
-    ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, NUM_STATS: tl.constexpr,
+def _logits_stats_kernel(
+    p_z, p_lab, p_stats, N, V, stride_z, vocab_start, inv_temp,
+    ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Online row statistics over this program's vocab split -> stats[i_s, rows, 0:NUM_STATS]."""
-    i_m, i_s = _grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
-    o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    """Row statistics of the fp32 logits ``z[rows, :V] * inv_temp`` -> ``stats[rows, 0:5]`` (fp64):
+    max, sum exp(z - max), sum exp(z - max) (z - max), target logit, argmax (first on ties)."""
+    o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     m_m = o_m < N
     b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -85,20 +57,17 @@ def _linear_log_probs_fwd_kernel(
     b_t = tl.zeros([BLOCK_M], dtype=tl.float64)
     b_tgt = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_arg = tl.zeros([BLOCK_M], dtype=tl.int64)
-    for t in range(0, tiles_per_split):
-        o_v = (i_s.to(tl.int64) * tiles_per_split + t) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         m_v = o_v < V
-        b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
-        b_z = tl.where(m_v[None, :], b_z, float("-inf"))
-        # m_v too: a label of another rank's shard may point past this shard's end.
-        b_tgt += tl.sum(tl.where((o_v[None, :] == b_lab[:, None]) & m_v[None, :], b_z, 0.0), axis=1)
+        b_z = tl.load(p_z + o_m[:, None] * stride_z + o_v[None, :], mask=m_m[:, None] & m_v[None, :], other=0)
+        b_z = tl.where(m_v[None, :], b_z * inv_temp, float("-inf"))
+        b_tgt += tl.sum(tl.where(o_v[None, :] == b_lab[:, None], b_z, 0.0), axis=1)
         b_tile_max, b_tile_arg = tl.max(b_z, axis=1, return_indices=True, return_indices_tie_break_left=True)
         # Strictly greater: an equal max in a later tile keeps the first index.
-        b_arg = tl.where(b_tile_max > b_max, (i_s.to(tl.int64) * tiles_per_split + t) * BLOCK_V
-                         + b_tile_arg.to(tl.int64), b_arg)
+        b_arg = tl.where(b_tile_max > b_max, v0 + b_tile_arg.to(tl.int64), b_arg)
         b_new = tl.maximum(b_max, b_tile_max)
-        # A tile past the end of the vocab leaves the max at -inf; shift by 0 there.
-        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)  # all -inf so far: shift by 0
         b_scale = tl.exp(b_max - b_ref).to(tl.float64)
         b_p = tl.exp(b_z - b_ref[:, None])
         if ENTROPY:
@@ -108,7 +77,7 @@ def _linear_log_probs_fwd_kernel(
             b_t = (b_t + b_shift) * b_scale + tl.sum(b_p * b_zc, axis=1).to(tl.float64)
         b_sum = b_sum * b_scale + tl.sum(b_p, axis=1).to(tl.float64)
         b_max = b_new
-    p_out = p_stats + (i_s.to(tl.int64) * N + o_m) * NUM_STATS
+    p_out = p_stats + o_m * 5
     tl.store(p_out + 0, b_max.to(tl.float64), mask=m_m)
     tl.store(p_out + 1, b_sum, mask=m_m)
     tl.store(p_out + 2, b_t, mask=m_m)
@@ -117,13 +86,14 @@ def _linear_log_probs_fwd_kernel(
 
 
 @triton.jit
-def _linear_log_probs_bwd_kernel(
-    p_h, p_w, p_lab, p_arg, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dzt, p_dza, p_dz,
-    N, V, H, vocab_start, inv_temp,
-    v0, n_cols, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _logits_grad_kernel(
+    p_z, p_lab, p_arg, p_lse_hi, p_lse_lo, p_c_hi, p_c_lo, p_glp, p_gent, p_dzt, p_dza,
+    N, V, stride_z, stride_dz, vocab_start, inv_temp,
+    DZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dz[:, v - v0] = d loss / d logits for vocab columns [v0, v0 + n_cols), recomputed.
+    """``dz`` = d loss / d logits of rows ``[N]`` written over their fp32 logits ``z`` (row stride
+    ``stride_z``) as ``DZ`` elements (row stride ``stride_dz``): in place, in the first half of each
+    row for 16-bit ``DZ``.
 
     ``lse`` and ``c = lse - entropy`` come as fp32 pairs ``hi + lo`` of their fp64 values, so that
     ``log p = (z - lse_hi) - lse_lo`` and ``log p + entropy = (z - c_hi) - c_lo`` carry only fp32
@@ -135,13 +105,9 @@ def _linear_log_probs_bwd_kernel(
     fp64 logits), not recomputed from fp32 logits. Rows whose ``g_lp`` and ``g_ent`` are both 0
     get ``dz = 0``.
     """
-    i_m, i_v = _grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(n_cols, BLOCK_V), GROUP_M)
-    o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     m_m = o_m < N
-    o_c = i_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-    o_v = v0 + o_c
-    m_v = (o_c < n_cols) & (o_v < V)
-    b_z = _logits_tile(p_h, p_w, o_m, m_m, o_v, m_v, H, inv_temp, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST, PRECISION)
+    p_dz = p_z.to(tl.pointer_type(DZ), bitcast=True)
     b_lab = tl.load(p_lab + o_m, mask=m_m, other=-1).to(tl.int64) - vocab_start
     b_lse_hi = tl.load(p_lse_hi + o_m, mask=m_m, other=0)
     b_lse_lo = tl.load(p_lse_lo + o_m, mask=m_m, other=0)
@@ -152,15 +118,22 @@ def _linear_log_probs_bwd_kernel(
     b_dzt = tl.load(p_dzt + o_m, mask=m_m, other=0)
     b_dza = tl.load(p_dza + o_m, mask=m_m, other=0)
     b_arg = tl.load(p_arg + o_m, mask=m_m, other=-1)
-    b_p = tl.exp((b_z - b_lse_hi[:, None]) - b_lse_lo[:, None])
-    b_q = (b_z - b_c_hi[:, None]) - b_c_lo[:, None]  # log p + entropy
-    b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * b_q)
-    b_dz = tl.where(o_v[None, :] == b_arg[:, None], b_dza[:, None], b_dz)
-    b_dz = tl.where(o_v[None, :] == b_lab[:, None], b_dzt[:, None], b_dz)
-    # A token without incoming gradient (masked away) has dz = 0 even where its logits are NaN.
-    b_dz = tl.where(((b_glp != 0) | (b_gent != 0))[:, None], b_dz, 0.0)
-    tl.store(p_dz + o_m[:, None] * n_cols + o_c[None, :], b_dz.to(p_dz.dtype.element_ty),
-             mask=m_m[:, None] & m_v[None, :])
+    b_live = (b_glp != 0) | (b_gent != 0)
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        m_mv = m_m[:, None] & (o_v < V)[None, :]
+        b_z = tl.load(p_z + o_m[:, None] * stride_z + o_v[None, :], mask=m_mv, other=0) * inv_temp
+        b_p = tl.exp((b_z - b_lse_hi[:, None]) - b_lse_lo[:, None])
+        b_q = (b_z - b_c_hi[:, None]) - b_c_lo[:, None]  # log p + entropy
+        b_dz = -b_p * (b_glp[:, None] + b_gent[:, None] * b_q)
+        b_dz = tl.where(o_v[None, :] == b_arg[:, None], b_dza[:, None], b_dz)
+        b_dz = tl.where(o_v[None, :] == b_lab[:, None], b_dzt[:, None], b_dz)
+        # A token without incoming gradient (masked away) has dz = 0 even where its logits are NaN.
+        b_dz = tl.where(b_live[:, None], b_dz, 0.0)
+        # The store overwrites logits of this tile and earlier ones of the same rows: every warp's
+        # loads of this tile come first (the earlier tiles were loaded in earlier iterations).
+        tl.debug_barrier()
+        tl.store(p_dz + o_m[:, None] * stride_dz + o_v[None, :], b_dz.to(DZ), mask=m_mv)
 
 
 # --------------------------------------------------------------------------- torch backend
@@ -196,40 +169,61 @@ def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
 
 
 # --------------------------------------------------------------------------- triton backend
-def _dot_flags(dtype: torch.dtype):
-    # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 of logit); the 3.9
-    # interpreter multiplies raw bits for 16-bit dot operands, so it gets fp32 ones.
-    return dict(UPCAST=INTERPRET, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+def chunk_rows(n: int, v: int) -> int:
+    """Rows of one GPU chunk: fp32 logits of at most _CHUNK_BYTES, a multiple of _CHUNK_ALIGN when possible."""
+    rows = _CHUNK_BYTES // (4 * max(v, 1))
+    if rows >= _CHUNK_ALIGN:
+        rows = rows // _CHUNK_ALIGN * _CHUNK_ALIGN
+    return max(1, min(n, rows))
 
 
-def _group_m(hidden: torch.Tensor) -> int:
-    """Row blocks per group of the grouped program order (see _GROUP_BYTES)."""
-    return max(1, _GROUP_BYTES // (_BLOCK_M * hidden.shape[1] * hidden.element_size()))
+def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 ``a @ b``, products exact and summed in fp32 (never rounded to a 16-bit dtype): cuBLAS'
+    fp32-output GEMM of the 16-bit operands (``out_dtype``), else fp32 copies of them (the CPU run of
+    this path; a torch without ``out_dtype``). fp32 operands follow torch's fp32 matmul precision."""
+    if a.dtype != torch.float32:
+        if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype_out"):
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        a, b = a.float(), b.float()
+    return torch.mm(a, b, out=out)
 
 
-def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
-    if device.type != "cuda":
-        return min(n_tiles, 2)  # interpreter: exercise the split combine, keep programs few
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, cdiv(4 * sms, n_row_blocks)))
+def _add_dw(d_w: torch.Tensor, dz: torch.Tensor, x: torch.Tensor, first: bool) -> None:
+    """``d_w (+)= dz^T x`` in ``d_w``'s dtype, summed in fp32 and rounded once per chunk (``beta=0`` on
+    the first: ``d_w`` need not be initialised). An fp32 accumulator for a 16-bit dW would be twice its
+    size (2.5 GB at V = 152k, H = 4096), over the workspace budget (NOTES_fused_loss.md)."""
+    beta = 0 if first else 1
+    if d_w.is_cuda or d_w.dtype == torch.float32:
+        torch.addmm(d_w, dz.t(), x, beta=beta, out=d_w)
+    else:  # the CPU run of a 16-bit input: the same fp32 sum, rounded once
+        d_w.copy_(torch.addmm(d_w.float(), dz.t().float(), x.float(), beta=beta))
 
 
-@register("linear_log_probs_stats", "triton")
-def stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
-    # The kernels address all three as dense ([N, H], [V, H], [N]).
-    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
-    (n, h), v = hidden.shape, weight.shape[0]
-    n_tiles = cdiv(v, _BLOCK_V)
-    splits = _num_splits(cdiv(n, _BLOCK_M), n_tiles, hidden.device)
-    per_split = cdiv(n_tiles, splits)
-    splits = cdiv(n_tiles, per_split)
-    stats = empty_output((splits, n, NUM_STATS), dtype=torch.float64, device=hidden.device)
-    if n:
-        _linear_log_probs_fwd_kernel[(cdiv(n, _BLOCK_M) * splits,)](
-            hidden, weight, labels, stats, n, v, h, vocab_start, inv_temp, per_split, splits,
-            ENTROPY=entropy, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype],
-            GROUP_M=_group_m(hidden), NUM_STATS=NUM_STATS, num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
-        )
+def logit_chunks(hidden: torch.Tensor, weight: torch.Tensor) -> Iterator[Tuple[slice, torch.Tensor]]:
+    """Yield ``(rows, z)``: ``z`` the fp32 logits ``hidden[rows] @ weight.T`` (before the temperature),
+    one GEMM unit per chunk, in one buffer reused by every chunk."""
+    n, v = hidden.shape[0], weight.shape[0]
+    step = chunk_rows(n, v)
+    z_buf = torch.empty((min(step, n), v), dtype=torch.float32, device=hidden.device)
+    for r0 in range(0, n, step):
+        c = min(step, n - r0)
+        yield slice(r0, r0 + c), _mm32(hidden[r0:r0 + c], weight.t(), out=z_buf[:c])
+
+
+def _tiles(v: int) -> Tuple[int, int]:
+    return _ROWS_PER_PROGRAM, min(next_pow2(v), _MAX_BLOCK_V)
+
+
+def row_stats_triton(z, labels, inv_temp: float, vocab_start: int, entropy: bool,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp64 ``[C, 5]`` row statistics (:data:`NUM_STATS`) of the logits ``z * inv_temp`` (fp32 ``[C, V]``)."""
+    c, v = z.shape
+    stats = empty_output((c, NUM_STATS), dtype=torch.float64, device=z.device) if out is None else out
+    if c:
+        bm, bv = _tiles(v)
+        _logits_stats_kernel[(cdiv(c, bm),)](z, labels.contiguous(), stats, c, v, z.stride(0), vocab_start,
+                                             inv_temp, ENTROPY=entropy, BLOCK_M=bm, BLOCK_V=bv,
+                                             num_warps=_NUM_WARPS)
     return stats
 
 
@@ -240,57 +234,76 @@ def _hi_lo(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return hi.contiguous(), (x - hi.double()).float().contiguous()
 
 
+def dlogits_triton(z, labels, rows, g_lp, g_ent, inv_temp: float, vocab_start: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """d loss / d logits written over ``z`` (fp32 ``[C, V]`` logits, row-contiguous), returned as a
+    ``[C, V]`` view of ``dtype`` (16-bit: the first half of each fp32 row); ``rows`` fp64 ``[5, C]``
+    from :func:`row_results`, ``g_lp`` / ``g_ent`` the upstream gradients."""
+    c, v = z.shape
+    item = torch.empty((), dtype=dtype).element_size()
+    if c:
+        args = [rows[ARG].long(), *_hi_lo(rows[LSE]), *_hi_lo(rows[LSE] - rows[ENT]),
+                *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent)),
+                *(d.float().contiguous() for d in exact_dlogits(rows, g_lp, g_ent, inv_temp))]
+        bm, bv = _tiles(v)
+        _logits_grad_kernel[(cdiv(c, bm),)](z, labels.contiguous(), *args, c, v, z.stride(0), z.stride(0) * 4 // item,
+                                            vocab_start, inv_temp, DZ=_TL_DTYPES[dtype], BLOCK_M=bm, BLOCK_V=bv,
+                                            num_warps=_NUM_WARPS)
+    return z if dtype == torch.float32 else z.view(dtype)[:, :v]
+
+
+def grads_chunk(z, x, weight, labels, rows, g_lp, g_ent, inv_temp: float, vocab_start: int, d_h, d_w,
+                first: bool) -> None:
+    """dz over the chunk's logits ``z`` in place, then ``d_h`` (fp32 rows of the chunk) = dz W and
+    ``d_w`` (+)= dz^T x: two GEMM units. Tokens without incoming gradient (dz = 0) are masked out of
+    both, as the torch path leaves them out: a NaN in their hidden row (or in the weight) must not
+    reach dW (dH) through NaN * 0."""
+    dz = dlogits_triton(z, labels, rows, g_lp, g_ent, inv_temp, vocab_start, x.dtype)
+    dead = ~live_rows(g_lp, g_ent)[:, None]
+    _mm32(dz, weight, out=d_h)
+    d_h.masked_fill_(dead, 0)
+    _add_dw(d_w, dz, x.masked_fill(dead, 0), first)
+
+
+def triton_grad_buffers(hidden: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 dH (summed over a process group in fp32 before its rounding) and dW in the weight's dtype
+    (zeros for N = 0: no chunk writes it)."""
+    d_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    alloc = torch.zeros if hidden.shape[0] == 0 else empty_output
+    return d_h, alloc(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+@register("linear_log_probs_stats", "triton")
+def stats_triton(hidden, weight, labels, inv_temp, vocab_start, entropy):
+    """fp64 ``[1, N, 5]`` row statistics: one GEMM unit (the chunks' logits) and the statistics kernel."""
+    stats = empty_output((1, hidden.shape[0], NUM_STATS), dtype=torch.float64, device=hidden.device)
+    for sl, z in logit_chunks(hidden, weight):
+        row_stats_triton(z, labels[sl], inv_temp, vocab_start, entropy, out=stats[0, sl])
+    return stats
+
+
 @register("linear_log_probs_grads", "triton")
 def grads_triton(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_ent):
-    """dz per vocab chunk (Triton, recomputed logits), then dW rows and dH with cuBLAS; ``rows`` fp64
-    ``[5, N]`` from :func:`row_results` (lse and lse - entropy go to the kernel as fp32 hi / lo pairs)."""
-    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
-    (n, h), v = hidden.shape, weight.shape[0]
-    cols = _dz_cols(n, hidden.element_size())
-    d_w = empty_output(weight.shape, dtype=weight.dtype, device=weight.device)
-    d_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-    args = [rows[ARG].long(), *_hi_lo(rows[LSE]), *_hi_lo(rows[LSE] - rows[ENT]),
-            *((g.double() * inv_temp).float().contiguous() for g in (g_lp, g_ent)),
-            *(d.float().contiguous() for d in exact_dlogits(rows, g_lp, g_ent, inv_temp))]
-    # Tokens without incoming gradient (dz = 0) stay out of both products, as the torch path leaves
-    # them out: a NaN in their hidden row (or in the weight) must not reach dW (dH) through NaN * 0.
-    dead = ~live_rows(g_lp, g_ent)[:, None]
-    hidden_live = hidden.masked_fill(dead, 0)
-    for v0 in range(0, v, cols):
-        nc = min(cols, v - v0)
-        dz = empty_output((n, nc), dtype=hidden.dtype, device=hidden.device)
-        if n:
-            _linear_log_probs_bwd_kernel[(cdiv(n, _BLOCK_M) * cdiv(nc, _BLOCK_V),)](
-                hidden, weight, labels, *args, dz, n, v, h, vocab_start, inv_temp, v0, nc,
-                BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, BLOCK_K=_BLOCK_K[hidden.dtype], GROUP_M=_group_m(hidden),
-                num_warps=_NUM_WARPS, **_dot_flags(hidden.dtype),
-            )
-        torch.mm(dz.t(), hidden_live, out=d_w[v0:v0 + nc])
-        d_h = _add_mm_fp32(d_h, dz, weight[v0:v0 + nc])
-    return d_h.masked_fill_(dead, 0), d_w
-
-
-def _dz_cols(n: int, item: int) -> int:
-    """Vocab columns of one dz chunk of the gradient pass: _TRITON_DZ_BYTES of ``n`` rows, whole tiles."""
-    return max(_BLOCK_V, _TRITON_DZ_BYTES // (item * max(n, 1)) // _BLOCK_V * _BLOCK_V)
-
-
-def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc + a @ b`` with the product accumulated and added in fp32 (``acc`` fp32), never rounded
-    to ``a``'s 16-bit dtype: cuBLAS' fp32-output GEMM (``out_dtype``) where torch has one for the
-    device, else fp32 copies of the operands. dH sums every vocab chunk's product this way."""
-    if a.dtype != torch.float32 and a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype"):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
-    return acc.addmm_(a.float(), b.float())
+    """(dH fp32 [N, H], dW [V, H]) from recomputed logits: three GEMM units; ``rows`` fp64 ``[5, N]``
+    from :func:`row_results`."""
+    d_h, d_w = triton_grad_buffers(hidden, weight)
+    for sl, z in logit_chunks(hidden, weight):
+        grads_chunk(z, hidden[sl], weight, labels[sl], rows[:, sl], g_lp[sl], g_ent[sl], inv_temp, vocab_start,
+                    d_h[sl], d_w, sl.start == 0)
+    return d_h, d_w
 
 
 def workspace_bytes(n: int, h: int, v: int, dtype: torch.dtype) -> int:
-    """Bytes the Triton gradient pass allocates beyond the returned dH / dW: one dz chunk, the
-    fp32 dH accumulator and the addmm result replacing it, the masked hidden copy, the fp64
-    statistics and the small per-row vectors. gpu_check compares it with the measured peak."""
+    """Bytes the Triton path holds at its peak beyond the inputs and the returned dH / dW: the fp32
+    logits chunk, the fp32 dH (unless it is the returned one), the larger of the chunk's masked
+    hidden rows (dW update) and exact_logits' two fp64 ``[rows, H]`` blocks (row results), and the
+    per-row vectors (fp64 statistics and results, the kernels' arguments). gpu_check and
+    tests/ops/test_linear_log_probs_workspace.py compare it with measured peaks."""
     item = torch.empty((), dtype=dtype).element_size()
-    cols = min(v, _dz_cols(n, item))  # the last chunk of a smaller vocab is all of it
-    return n * cols * item + 2 * n * h * 4 + n * h * item + n * 8 * (NUM_STATS * 4 + 16)
+    c = chunk_rows(n, v)
+    exact_rows = min(c, (32 << 20) // (16 * max(h, 1)))
+    return (4 * c * v + (4 * n * h if item != 4 else 0) + max(c * h * item, 2 * exact_rows * h * 8)
+            + 8 * n * (NUM_STATS + 2 * NUM_ROWS + 8))
 
 
 # --------------------------------------------------------------------------- custom ops

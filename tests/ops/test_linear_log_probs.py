@@ -85,20 +85,23 @@ def test_empty_tokens(be):
     assert lp.shape == ent.shape == (0,)
 
 
-@pytest.mark.parametrize("group_blocks", [1, 2, 3])
-def test_grouped_program_order_covers_every_tile_once(group_blocks, monkeypatch):
-    """The Triton kernels map programs to (row block, vocab tile / split) in grouped order: with 1,
-    2 or 3 row blocks per group (the last group partial: 5 row blocks of 64) every tile is computed
-    once, giving bitwise the result of one group spanning all rows."""
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_row_chunks_cover_every_token_once(rows, monkeypatch):
+    """The Triton path walks row chunks (1, 3 or 7 rows: several chunks, the last one partial, dW
+    summed over them): log-probs, entropy and both gradients match the reference as with one chunk."""
     import dapo_kernels.ops.linear_log_probs as llp
-    hidden, weight, labels = make_linear(64 * 4 + 7, 16, 3 * llp._BLOCK_V + 5, torch.float32)
-    cot = (torch.randn(hidden.shape[0]), torch.randn(hidden.shape[0]))
-    run = lambda: grads_of(lambda h, w: dk.linear_log_probs(h, w, labels, return_entropy=True),  # noqa: E731
-                           hidden, weight, *cot)
+    N, H, V = 17, 24, 150
+    hidden, weight, labels = make_linear(N, H, V, torch.float32)
+    cot = (torch.randn(N), torch.randn(N))
+    monkeypatch.setattr(llp, "_CHUNK_BYTES", rows * 4 * V)
+    assert llp.chunk_rows(N, V) == rows
     with backend("triton"):
-        (lp, ent), dh, dw = run()
-        monkeypatch.setattr(llp, "_GROUP_BYTES", group_blocks * llp._BLOCK_M * 16 * 4)
-        assert llp._group_m(hidden) == group_blocks
-        (lp2, ent2), dh2, dw2 = run()
-    for a, b in ((lp, lp2), (ent, ent2), (dh, dh2), (dw, dw2)):
-        assert torch.equal(a, b)
+        (lp, ent), dh, dw = grads_of(lambda h, w: dk.linear_log_probs(h, w, labels, return_entropy=True),
+                                     hidden, weight, *cot)
+    (r_lp, r_ent), r_dh, r_dw = grads_of(lambda h, w: linear_log_probs_ref(h, w, labels), hidden.double(),
+                                         weight.double(), *cot)
+    ways = [grads_of(lambda h, w, f=f: f(h, w, labels), hidden, weight, *cot) for f in TORCH_WAYS]
+    t_lp, t_ent, t_dh, t_dw = worst_of([(*o, dh_, dw_) for o, dh_, dw_ in ways], (r_lp, r_ent, r_dh, r_dw))
+    for name, o, r, t in (("log_prob", lp, r_lp, t_lp), ("entropy", ent, r_ent, t_ent), ("dhidden", dh, r_dh, t_dh),
+                          ("dweight", dw, r_dw, t_dw)):
+        assert_close_to_ref(o, r, t, name=name)

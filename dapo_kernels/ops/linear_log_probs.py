@@ -179,10 +179,10 @@ def chunk_rows(n: int, v: int) -> int:
 
 def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 ``a @ b``, products exact and summed in fp32 (never rounded to a 16-bit dtype): cuBLAS'
-    fp32-output GEMM of the 16-bit operands (``out_dtype``), else fp32 copies of them (the CPU run of
-    this path; a torch without ``out_dtype``). fp32 operands follow torch's fp32 matmul precision."""
+    fp32-output GEMM of the 16-bit operands (``out_dtype``, CUDA only), else fp32 copies of them (the CPU
+    run of this path). fp32 operands follow torch's fp32 matmul precision."""
     if a.dtype != torch.float32:
-        if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype_out"):
+        if a.is_cuda:
             return torch.mm(a, b, out_dtype=torch.float32, out=out)
         a, b = a.float(), b.float()
     return torch.mm(a, b, out=out)

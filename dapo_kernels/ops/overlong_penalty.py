@@ -2,7 +2,8 @@
 
 ``min(-(L - (max_response_length - overlong_buffer_len)) / overlong_buffer_len * penalty_factor, 0)``
 per response, computed in float64 and returned in float32; a NaN length gives NaN on both backends
-(as torch's ``clamp_max``). Not differentiable: rewards are constants of the policy-gradient loss.
+(as torch's ``clamp_max``), and so does a negative one (checked on the device: no host
+read). Not differentiable: rewards are constants of the policy-gradient loss.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def _overlong_penalty_fwd_kernel(p_len, p_out, N, expected_len, buf, factor, BLO
     b_l = tl.load(p_len + o_n, mask=m_n, other=0).to(tl.float64)
     b_p = -(b_l - expected_len) / buf * factor
     b_p = tl.where(b_p > 0, 0.0, b_p)  # min(p, 0) that keeps a NaN, as torch's clamp_max
+    b_p = tl.where(b_l < 0, float("nan"), b_p)  # an impossible length: NaN, not a silent reward
     tl.store(p_out + o_n, b_p.to(tl.float32), mask=m_n)
 
 
@@ -49,7 +51,8 @@ def _overlong_penalty_triton(lengths, expected_len, buf, factor):
 
 @register("overlong_penalty", "torch")
 def _overlong_penalty_torch(lengths, expected_len, buf, factor):
-    return (-(lengths.double() - expected_len) / buf * factor).clamp_max(0.0).float()
+    penalty = (-(lengths.double() - expected_len) / buf * factor).clamp_max(0.0)
+    return torch.where(lengths < 0, torch.nan, penalty).float()
 
 
 @torch.library.custom_op("dapo::overlong_penalty", mutates_args=())
@@ -82,7 +85,7 @@ def overlong_penalty(
         max_response_length, overlong_buffer_len: ints, ``0 < buffer <= max``.
         penalty_factor: float >= 0.
     Returns float32 of the shape of ``response_lengths`` (computed in float64); a NaN length gives
-    NaN, as torch's ``clamp_max`` does, on both backends.
+    NaN, as torch's ``clamp_max`` does, and a negative length NaN too, on both backends.
     """
     check_tensor("response_lengths", response_lengths, dtypes=INT_DTYPES + FLOAT_DTYPES)
     max_len = check_int("max_response_length", max_response_length, minimum=1)

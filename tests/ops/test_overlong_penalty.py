@@ -35,3 +35,15 @@ def test_overlong_penalty_edges():
         dk.overlong_penalty(torch.tensor([1]), 10, 0)
     with pytest.raises(ValueError, match="penalty_factor"):
         dk.overlong_penalty(torch.tensor([1]), 10, 5, -1.0)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_negative_length_gives_nan_on_both_backends(be):
+    """A negative response length is impossible: its penalty is NaN (found on the device without a
+    host read, so the trainer's non-finite guard refuses the step), the others are unchanged."""
+    lengths = torch.tensor([-1, 800, -1000, 1000])
+    with backend(be):
+        pen = dk.overlong_penalty(lengths, 1000, 250)
+    assert pen.isnan().tolist() == [True, False, True, False]
+    assert pen[1].item() == pytest.approx(-0.2) and pen[3].item() == -1.0
+    assert overlong_penalty_ref(lengths, 1000, 250).isnan().tolist() == [True, False, True, False]

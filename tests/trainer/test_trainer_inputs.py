@@ -110,3 +110,22 @@ def test_report_says_why_carried_over_steps_have_no_dump(tmp_path):
     metrics = [{"step": 1, "train/num_gen_batches": 1}, {"step": 2, "train/num_gen_batches": 0}]
     _, html = batch_quality.write_analysis(plt, str(dump), metrics, str(tmp_path))
     assert "Steps 2 trained only on groups carried over" in html
+
+
+BAD_REWARDS = [("'1.0'", "str"), ("1e308 * 10", "finite"), ("{'score': 1.0, 'acc': float('nan')}", "finite")]
+
+
+@pytest.mark.parametrize("value,match", BAD_REWARDS)
+def test_reward_that_is_not_a_real_finite_number_names_function_sample_and_row(tmp_path, value, match):
+    reward = f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {value}\n"
+    overrides = micro_setup(str(tmp_path), reward) + ONE_STEP + ["data.val_files=[]"]
+    where = r"reward function 'compute_score' on sample 0 \(row \d+\)"
+    with pytest.raises((TypeError, ValueError), match=rf"{where}.*{match}"):
+        DAPOTrainer(load_config(overrides=overrides)).fit()
+
+
+def test_checkpoint_path_that_is_a_file_fails_at_start_up(tmp_path):
+    overrides = micro_setup(str(tmp_path)) + ONE_STEP
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(ValueError, match="trainer.default_local_dir"):
+        DAPOTrainer(load_config(overrides=overrides))

@@ -100,6 +100,19 @@ def build_optimizer(model, optim_cfg, total_training_steps: int):
     return optimizer, scheduler
 
 
+
+def add_loss_metrics(sums: Dict[str, torch.Tensor], m: Dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+    """Add one micro-batch's loss metrics ``m`` to the step's device sums (fractions weighted by its
+    tokens, so the step's value is the token-weighted mean)."""
+    ntok = mask.sum().double()
+    sums["actor/pg_loss"] += m["pg_loss"].double()
+    sums["actor/kl_loss"] += m.get("kl_loss", m["pg_loss"] * 0).double()
+    for theirs, ours in _LOSS_FRACTIONS.items():
+        sums[ours] += m[theirs].double() * ntok
+    sums["actor/entropy"] += (m["entropy"].double() * mask).sum()
+    sums["tokens"] += ntok
+
+
 class Actor:
     """The policy update: ``update(batch)`` trains the model on a train batch, returns ``actor/*`` metrics."""
 
@@ -257,13 +270,7 @@ class Actor:
                 scale = torch.where(torch.isfinite(mini_loss), dp_scale, float("nan")).to(loss.dtype)
                 (loss * scale).backward()
                 has_kl = has_kl or "kl_loss" in m
-                ntok = mb["mask"].sum().double()
-                sums["actor/pg_loss"] += m["pg_loss"].double()
-                sums["actor/kl_loss"] += m.get("kl_loss", m["pg_loss"] * 0).double()
-                for theirs, ours in _LOSS_FRACTIONS.items():
-                    sums[ours] += m[theirs].double() * ntok
-                sums["actor/entropy"] += (m["entropy"].double() * mb["mask"]).sum()
-                sums["tokens"] += ntok
+                add_loss_metrics(sums, m, mb["mask"])
         return mini_loss, has_kl
 
     def _reduce_sums(self, sums: Dict[str, torch.Tensor], loss_sum: float):
@@ -417,13 +424,7 @@ class PipelinedActor(Actor):
                 **self.loss_options)
             out[0] += loss.detach().double()
             out[1] = float("kl_loss" in m)
-            ntok = mb["mask"].sum().double()
-            sums["actor/pg_loss"] += m["pg_loss"].double()
-            sums["actor/kl_loss"] += m.get("kl_loss", m["pg_loss"] * 0).double()
-            for theirs, ours in _LOSS_FRACTIONS.items():
-                sums[ours] += m[theirs].double() * ntok
-            sums["actor/entropy"] += (m["entropy"].double() * mb["mask"]).sum()
-            sums["tokens"] += ntok
+            add_loss_metrics(sums, m, mb["mask"])
             # As without PP: a non-finite loss so far backpropagates NaN, and every rank skips the update.
             return loss * torch.where(torch.isfinite(out[0]), dp_scale, float("nan")).to(loss.dtype)
 

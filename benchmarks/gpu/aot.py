@@ -77,6 +77,7 @@ class Allowed:
     reason: str
     dots: Tuple[str, ...] = ()
     rows: Tuple[int, ...] = ()
+    triton_below: Tuple[int, int] = (99, 0)  # only under Triton versions below this (major, minor)
 
 
 _F32_DP_SPILLS = (
@@ -304,10 +305,16 @@ def violations(rec: Record) -> List[str]:
     return out
 
 
+def _triton_version() -> Tuple[int, int]:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
 def _applies(entry: Allowed, rec: Record) -> bool:
-    """``entry`` covers ``rec``'s kernel, arch, dtype and head dim."""
+    """``entry`` covers ``rec``'s kernel, arch, dtype and head dim under the Triton that compiled it."""
     return ((rec.kernel, rec.arch) == (entry.kernel, entry.arch) and rec.dtype in entry.dtypes
-            and (not entry.rows or rec.tile_row in entry.rows))
+            and (not entry.rows or rec.tile_row in entry.rows) and _triton_version() < entry.triton_below)
 
 
 def exception_of(rec: Record, violation: str) -> Optional[Allowed]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -153,8 +154,8 @@ def _policy_loss_bwd_kernel(
 def _fp32_pair(x: float):
     """``(hi, lo)`` fp32-exact halves of ``x`` with ``hi + lo`` = x to ~2^-48: the kernels rebuild the
     clip ratios in fp64 (their bounds 1 - clip_ratio_low etc. must not round to fp32)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
 
 
 def _clip_args(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):

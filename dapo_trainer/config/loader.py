@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import typing
 import warnings
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -295,7 +296,9 @@ def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
         raise TypeError("overrides must be a list of 'key=value' strings, got a single str")
     cfg, reading = Config(), _Reading()
     if yaml_path is not None:
-        tree = _yaml_load(read_text(yaml_path)) or {}
+        stream = io.StringIO(read_text(yaml_path))  # UTF-8 checked, naming the file and line
+        stream.name = yaml_path  # for the line marks of yaml's errors (duplicate keys)
+        tree = _yaml_load(stream) or {}
         _apply_dict(cfg, tree, reading)
     for o in overrides:
         _apply_override(cfg, o, reading)

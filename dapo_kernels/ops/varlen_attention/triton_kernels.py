@@ -268,13 +268,10 @@ def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, T, Hq,
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L,
                 qk_scale, sm_scale, cap, win_left, win_right, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr,
-                PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, QROWS: tl.constexpr,
+                PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr,
                 MASK_CAUSAL: tl.constexpr = False, MASK_WINDOW: tl.constexpr = False):
-    """Accumulate dK, dV of one key block over query rows [lo, hi) of one head. Scores are held
-    transposed, [keys, queries], so no tile is transposed twice; with ``QROWS`` (a query block of
-    >= 64 rows, which fills wgmma's 64 rows per warpgroup) as [queries, keys], so that lse and delta
-    are per row (2 registers a thread, not N / 4: the wide tiles spilled) and P^T, dS^T reach their
-    products through shared memory. Query rows past the
+    """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
+    transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
     score mask needed for the length. ``ATOMIC_DQ``: also add this key block's share of dQ,
     dS @ K * scale, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
@@ -284,7 +281,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
     # The causal diagonal's few steps are not software-pipelined: its q / dO pass through registers
     # (non-finite entries zeroed), and a prefetched pair held there across the step spilled.
     for start in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASK_CAUSAL else None):
-        o_m32 = start.to(tl.int32) + tl.arange(0, BLOCK_M)
+        o_m32 = (start + tl.arange(0, BLOCK_M)).to(tl.int32)
         o_m = o_m32.to(tl.int64)
         m_row = o_m32 < L32
         m_q = m_row[:, None] & m_d[None, :]
@@ -294,56 +291,31 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
         b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
-        if QROWS:  # scores [queries, keys] (see the docstring)
-            b_s, b_t = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
-            b_p = tl.exp2(_shifted(b_s, b_t, qk_scale, b_lse[:, None], SOFTCAP))
-            if MASK_WINDOW:
-                m_att = _in_window(o_m32[:, None], o_n[None, :], win_left, win_right)
-            else:
-                m_att = o_m32[:, None] >= o_n[None, :]
-            if MASK_CAUSAL or MASK_WINDOW:
-                b_p = tl.where(m_att, b_p, 0.0)
-            b_dv += tl.dot(tl.trans(_cast(b_p, p_do.dtype.element_ty, INTERPRET).to(DOT_T)), b_do,
-                           input_precision=PREC)
-            if DP_F64:  # (as below; transposed so that dO's non-finite entries are the ones zeroed)
-                b_dp = tl.trans(_dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row,
-                                         MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M))
-            else:
-                b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-            b_ds = _dsoftcap(b_p * (b_dp - b_delta[:, None]).to(tl.float32), b_t, SOFTCAP)
-            if MASK_CAUSAL or MASK_WINDOW:  # (as below)
-                b_ds = tl.where(b_p != 0.0, b_ds, 0.0)
-            b_ds = _cast(b_ds, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
-            b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
-            if ATOMIC_DQ:  # (as below)
-                b_dq = tl.dot(b_ds, b_k, input_precision=PREC) * sm_scale
-                tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
+        b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
+        b_pt = tl.exp2(_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP))
+        if MASK_WINDOW:
+            m_att = _in_window(o_m32[None, :], o_n[:, None], win_left, win_right)
         else:
-            b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
-            b_pt = tl.exp2(_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP))
-            if MASK_WINDOW:
-                m_att = _in_window(o_m32[None, :], o_n[:, None], win_left, win_right)
-            else:
-                m_att = o_m32[None, :] >= o_n[:, None]
-            if MASK_CAUSAL or MASK_WINDOW:
-                b_pt = tl.where(m_att, b_pt, 0.0)
-            b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
-            if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
-                b_dpt = _dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row, MASK_CAUSAL or MASK_WINDOW,
-                                 HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M)
-            else:
-                b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
-            b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]).to(tl.float32), b_tt, SOFTCAP)
-            # A query's NaN lse / delta must not reach the keys it does not attend: there P is exactly 0. Keyed
-            # on P, not on the mask, which would stay live in registers across the dP product (spills); an
-            # attended P that underflowed to 0 then drops a non-finite dP too, whose inputs nan.py marks anyway.
-            if MASK_CAUSAL or MASK_WINDOW:
-                b_dst = tl.where(b_pt != 0.0, b_dst, 0.0)
-            b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
-            b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
-            if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
-                b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
-                tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
+            m_att = o_m32[None, :] >= o_n[:, None]
+        if MASK_CAUSAL or MASK_WINDOW:
+            b_pt = tl.where(m_att, b_pt, 0.0)
+        b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
+        if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
+            b_dpt = _dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row,
+                             MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M)
+        else:
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+        b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]).to(tl.float32), b_tt, SOFTCAP)
+        # A query's NaN lse / delta must not reach the keys it does not attend: there P is exactly 0. Keyed
+        # on P, not on the mask, which would stay live in registers across the dP product (spills); an
+        # attended P that underflowed to 0 then drops a non-finite dP too, whose inputs nan.py marks anyway.
+        if MASK_CAUSAL or MASK_WINDOW:
+            b_dst = tl.where(b_pt != 0.0, b_dst, 0.0)
+        b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
+        b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
+        if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
+            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
+            tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
 
 
@@ -385,7 +357,9 @@ def _varlen_attention_bwd_dkdv_kernel(
     # Causal: queries on the block's diagonal see part of it (masked [lo, mid)), later ones all of it.
     lo = i_n * BLOCK_N if IS_CAUSAL else 0
     mid = tl.minimum(lo + BLOCK_N, L) if IS_CAUSAL else 0
-    QROWS: tl.constexpr = BLOCK_M >= 64 and BLOCK_N <= BLOCK_M  # (_dkdv_inner)
+    # Masked steps (the causal diagonal, the window) hold the mask beside the tiles: on the 128-key
+    # tiles they walk half the query block, as Triton's fused-attention tutorial does (registers).
+    MASK_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 64 and BLOCK_N > BLOCK_M else BLOCK_M
     o_k = i_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 for the masks: int64 ones take registers
     for g in range(GROUP):
         i_h = (i_hk * GROUP + g).to(tl.int64)
@@ -401,20 +375,21 @@ def _varlen_attention_bwd_dkdv_kernel(
                 b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=w_lo, hi=w_hi, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET, QROWS=QROWS, MASK_WINDOW=True)
+                BLOCK_M=MASK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
+                MASK_WINDOW=True)
         else:
             if IS_CAUSAL:
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                     lo=lo, hi=mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                     win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
-                    BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET, QROWS=QROWS,
+                    BLOCK_D=BLOCK_D, BLOCK_M=MASK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     MASK_CAUSAL=True)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=mid, hi=L, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET, QROWS=QROWS)
+                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET)
     o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
     n_rows = L - i_n * BLOCK_N
     _store_rows(p_dk + o_tile, n_rows, stride_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET),

@@ -110,9 +110,8 @@ EXCEPTIONS: Tuple[Allowed, ...] = (
             "(16-32 rows, under wgmma's 64 per warpgroup: mma.sync, at D <= 32 and on D = 64's 32-query masked "
             "steps), and N = D / 2 where 64 queries split over 8 warps' 2 warpgroups (8 at D=16, 32 at D=64)",
             dots=("b_dq",), rows=(16, 32, 64)),
-    Allowed(_DQ, 90, B16, _NARROW, _ISSUE31 + "dQ tiles of 32-64 keys split over the warpgroups give S and dP "
-            "N = 16-32 (the spill-free tiles at D >= 64; 32 keys at 4 warps for D <= 64)",
-            dots=("b_s", "b_dp"), rows=(32, 64, 96, 128)),
+    Allowed(_DQ, 90, B16, _NARROW, _ISSUE31 + "at D = 32 the dQ tile of 32 keys at 4 warps gives S and dP N = 32",
+            dots=("b_s", "b_dp"), rows=(32,)),
     Allowed(_DQ, 90, B16, _NARROW, "dQ += dS K has N = the head dim: below 64 at D <= 32",
             dots=("b_dq",), rows=(16, 32)),
     Allowed(_FWD, 90, B16, _NARROW, "O += P V has N = the head dim: below 64 at D <= 32", dots=("b_pv",),

@@ -156,9 +156,11 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
     instantiation can read the next sequence."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    L32 = L.to(tl.int32)
     for start in range(lo, hi, BLOCK_N):
-        o_n = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        m_kv = (o_n < L)[:, None] & m_d[None, :]
+        o_n32 = (start + tl.arange(0, BLOCK_N)).to(tl.int32)  # int32 for the masks (as in _dkdv_inner)
+        o_n = o_n32.to(tl.int64)
+        m_kv = (o_n32 < L32)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
         if MASK_CAUSAL or MASK_WINDOW:
@@ -172,12 +174,12 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
             b_scale = qk_scale
         if MASK_WINDOW:
-            b_s = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L),
+            b_s = tl.where(_in_window(o_m[:, None], o_n32[None, :], win_left, win_right) & (o_n32[None, :] < L32),
                            b_s, float("-inf"))
         elif MASK_CAUSAL:
-            b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
+            b_s = tl.where((o_m[:, None] >= o_n32[None, :]) & (o_n32[None, :] < L32), b_s, float("-inf"))
         elif MASK_LEN:
-            b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
+            b_s = tl.where(o_n32[None, :] < L32, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
         if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
             # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
@@ -214,6 +216,7 @@ def _varlen_attention_fwd_kernel(
     p_kh = p_k + bos * stride_kv + (i_h // GROUP) * HEAD_DIM
     p_vh = p_v + bos * stride_kv + (i_h // GROUP) * HEAD_DIM
 
+    o_m32 = o_m.to(tl.int32)  # (_fwd_inner's masks)
     b_q = tl.load(p_qh + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -221,7 +224,7 @@ def _varlen_attention_fwd_kernel(
     if LOCAL:  # sliding window: only the keys some row of the block sees, all masked
         lo, hi = _window_range(i_m * BLOCK_M, BLOCK_M, win_left, win_right, L)
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, lo=lo, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
+            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m32, lo=lo, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
             win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
             BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET, MASK_WINDOW=True)
     else:
@@ -231,18 +234,18 @@ def _varlen_attention_fwd_kernel(
         mid = i_m * BLOCK_M if IS_CAUSAL else (L // BLOCK_N) * BLOCK_N
         hi = tl.minimum(mid + BLOCK_M, L) if IS_CAUSAL else L
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, lo=0, hi=mid, L=L, qk_scale=qk_scale, cap=cap,
+            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m32, lo=0, hi=mid, L=L, qk_scale=qk_scale, cap=cap,
             win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
             BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET)
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, lo=mid, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
+            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m32, lo=mid, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
             win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
             BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET, MASK_CAUSAL=IS_CAUSAL, MASK_LEN=True)
 
     b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
     b_o = b_acc / b_l_safe[:, None]
-    tl.store(p_o + bos * stride_q + i_h * HEAD_DIM + o_m[:, None] * stride_q + o_d[None, :],
-             _cast(b_o, p_o.dtype.element_ty, INTERPRET), mask=m_q)
+    _store_rows(p_o + (bos + i_m * BLOCK_M) * stride_q + i_h * HEAD_DIM, L - i_m * BLOCK_M, stride_q,
+                _cast(b_o, p_o.dtype.element_ty, INTERPRET), BLOCK_M, HEAD_DIM, BLOCK_D)
     # Base-2 lse, the units the backward recomputes P in (the public function converts).
     b_lse = tl.where(b_l == 0.0, float("-inf"), b_m + tl.log2(b_l_safe))
     tl.store(p_lse + i_h.to(tl.int64) * T + bos + o_m, b_lse, mask=m_row)
@@ -480,4 +483,5 @@ def _varlen_attention_bwd_dq_kernel(
             qk_scale=qk_scale, cap=cap, win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM,
             BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
             MASK_CAUSAL=IS_CAUSAL, MASK_LEN=True)
-    tl.store(p_dq + o_q, _cast(b_dq * sm_scale, p_dq.dtype.element_ty, INTERPRET), mask=m_q)
+    _store_rows(p_dq + (bos + i_m * BLOCK_M) * stride_q + i_h * HEAD_DIM, L - i_m * BLOCK_M, stride_q,
+                _cast(b_dq * sm_scale, p_dq.dtype.element_ty, INTERPRET), BLOCK_M, HEAD_DIM, BLOCK_D)

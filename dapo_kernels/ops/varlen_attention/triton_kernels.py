@@ -360,9 +360,6 @@ def _varlen_attention_bwd_dkdv_kernel(
     # Causal: queries on the block's diagonal see part of it (masked [lo, mid)), later ones all of it.
     lo = i_n * BLOCK_N if IS_CAUSAL else 0
     mid = tl.minimum(lo + BLOCK_N, L) if IS_CAUSAL else 0
-    # Masked steps (the causal diagonal, the window) hold the mask beside the tiles: on the 128-key
-    # tiles they walk half the query block, as Triton's fused-attention tutorial does (registers).
-    MASK_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 64 and BLOCK_N > BLOCK_M else BLOCK_M
     o_k = i_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 for the masks: int64 ones take registers
     for g in range(GROUP):
         i_h = (i_hk * GROUP + g).to(tl.int64)
@@ -378,7 +375,7 @@ def _varlen_attention_bwd_dkdv_kernel(
                 b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=w_lo, hi=w_hi, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_M=MASK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
+                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                 MASK_WINDOW=True)
         else:
             if IS_CAUSAL:
@@ -386,7 +383,7 @@ def _varlen_attention_bwd_dkdv_kernel(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                     lo=lo, hi=mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                     win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
-                    BLOCK_D=BLOCK_D, BLOCK_M=MASK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
+                    BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     MASK_CAUSAL=True)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,

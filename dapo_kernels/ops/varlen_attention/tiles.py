@@ -23,6 +23,10 @@ _OUTER_BLOCK_INTERPRET = 32
 # head dim and per arch, hence one row per tabled head dim.
 _F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
              **dict.fromkeys((96, 128), (64, ((16, 8, 2),))), 256: (16, ((16, 8, 3),))}
+# Hopper, 16-bit: 128 keys at 8 warps, each warpgroup 64 key rows. D = 64: 64 queries, S^T / dP^T n64
+# (64 keys x 16 queries gave N = 8); D = 96-128: 32 queries (n32), since every 64-query tile spilled
+# (dK, dV alone take 128 registers a thread), and so did its atomic-dQ variant (causal: 32-96 B).
+_F16_DKDV_90 = {64: (128, ((64, 8, 1), (64, 8, 2))), **dict.fromkeys((96, 128), (128, ((32, 8, 2), (32, 8, 3))))}
 _F32_FWD = {16: (64, ((32, 4, 2), (32, 8, 2))), **dict.fromkeys((32, 64), (64, ((16, 8, 2), (32, 8, 2)))),
             **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 2),))}
 # 1 stage where 2 spilled: without the software pipeline ptxas keeps fewer registers live.
@@ -35,24 +39,26 @@ _F32_DQ_80 = {**_F32_DQ, **dict.fromkeys((96, 128), (16, ((16, 8, 2),))), 256: (
 _SMALL_D = (128, ((64, 4, 3), (64, 8, 3), (128, 8, 3)))
 _GPU_TILES = {
     ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
-                     **dict.fromkeys((96, 128), (128, ((64, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
+                     96: (128, ((64, 8, 3),)), 128: (128, ((64, 8, 3), (128, 8, 2))),  # (128 keys: D=96 spilled)
+                     256: (64, ((16, 8, 3), (32, 8, 3)))},
     ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
                      **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
-    ("dkdv", 90, 2): _F16_DKDV,
+    ("dkdv", 90, 2): {**_F16_DKDV, **_F16_DKDV_90},
     ("dkdv", 80, 2): _F16_DKDV,
-    ("dq", 90, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3), (128, 8, 3))), 64: (128, ((32, 4, 3), (64, 8, 3))),
-                    **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
+    # 128 queries at 8 warps: with 64 (8 warps over a 64-row tile) S and dP ran N = 16-32.
+    ("dq", 90, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3), (128, 8, 3))), 64: (128, ((64, 8, 3),)),
+                    **dict.fromkeys((96, 128), (128, ((64, 8, 2), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
     ("dq", 80, 2): {16: _SMALL_D, **dict.fromkeys((32, 64), (128, ((32, 8, 3), (64, 8, 3)))),
                     **dict.fromkeys((96, 128), (64, ((32, 8, 3), (64, 8, 3)))), 256: (32, ((16, 8, 3),))},
     ("fwd", 90, 4): _F32_FWD,
-    ("fwd", 80, 4): _F32_FWD,
+    ("fwd", 80, 4): {**_F32_FWD, 64: (64, ((16, 8, 2),))},  # (sm_80: the 32-key tile spilled 8 B)
     ("dkdv", 90, 4): _F32_DKDV,
     ("dkdv", 80, 4): _F32_DKDV,
     ("dq", 90, 4): _F32_DQ,
     ("dq", 80, 4): _F32_DQ_80,
     # dK/dV with dQ added by atomics (deterministic=False) also holds a dQ tile and its addresses:
     # rows only where that compiles without spills; elsewhere the dQ kernel runs instead.
-    ("dkdv_dq", 90, 2): {d: _F16_DKDV[d] for d in (16, 32, 64)},
+    ("dkdv_dq", 90, 2): {**{d: _F16_DKDV[d] for d in (16, 32)}, 64: _F16_DKDV_90[64]},
     ("dkdv_dq", 80, 2): {d: _F16_DKDV[d] for d in (32, 64)},
     # fp32: D = 32 only, since dP is summed in fp64 (_dot_f64), whose tiles spill at larger D.
     ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},

@@ -99,6 +99,17 @@ def _dot_f64(p_a, o_a, m_a, p_b, o_b, m_b, FINITE_B: tl.constexpr, HEAD_DIM: tl.
 
 
 @triton.jit
+def _store_rows(p_base, n_rows, stride, b_x, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the ``[BLOCK_R, BLOCK_D]`` tile ``b_x`` to rows ``p_base + r * stride``, r < ``n_rows``, columns
+    < HEAD_DIM. Offsets and mask are rebuilt here from scalars: an epilogue that reused the prologue's
+    ``[rows, D]`` int64 offsets kept them live in registers across the main loop (spills)."""
+    o_r = tl.arange(0, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    tl.store(p_base + o_r[:, None] * stride + o_d[None, :], b_x,
+             mask=(o_r < n_rows)[:, None] & (o_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def _in_window(o_q, o_k, win_left, win_right):
     """Sliding window (flash-attn's window_size within one sequence): query i sees key j iff
     i - left <= j <= i + right (causal: right = 0; unbounded sides arrive as >= the length)."""
@@ -145,9 +156,11 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
     instantiation can read the next sequence."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    L32 = L.to(tl.int32)
     for start in range(lo, hi, BLOCK_N):
-        o_n = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        m_kv = (o_n < L)[:, None] & m_d[None, :]
+        o_n32 = (start + tl.arange(0, BLOCK_N)).to(tl.int32)  # int32 for the masks (as in _dkdv_inner)
+        o_n = o_n32.to(tl.int64)
+        m_kv = (o_n32 < L32)[:, None] & m_d[None, :]
         b_k = tl.load(p_k + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0).to(DOT_T)
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
         if MASK_CAUSAL or MASK_WINDOW:
@@ -161,12 +174,12 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
             b_scale = qk_scale
         if MASK_WINDOW:
-            b_s = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L),
+            b_s = tl.where(_in_window(o_m[:, None], o_n32[None, :], win_left, win_right) & (o_n32[None, :] < L32),
                            b_s, float("-inf"))
         elif MASK_CAUSAL:
-            b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
+            b_s = tl.where((o_m[:, None] >= o_n32[None, :]) & (o_n32[None, :] < L32), b_s, float("-inf"))
         elif MASK_LEN:
-            b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
+            b_s = tl.where(o_n32[None, :] < L32, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
         if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
             # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
@@ -203,6 +216,7 @@ def _varlen_attention_fwd_kernel(
     p_kh = p_k + bos * stride_kv + (i_h // GROUP) * HEAD_DIM
     p_vh = p_v + bos * stride_kv + (i_h // GROUP) * HEAD_DIM
 
+    o_m32 = o_m.to(tl.int32)  # (_fwd_inner's masks)
     b_q = tl.load(p_qh + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -210,7 +224,7 @@ def _varlen_attention_fwd_kernel(
     if LOCAL:  # sliding window: only the keys some row of the block sees, all masked
         lo, hi = _window_range(i_m * BLOCK_M, BLOCK_M, win_left, win_right, L)
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, lo=lo, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
+            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m32, lo=lo, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
             win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
             BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET, MASK_WINDOW=True)
     else:
@@ -220,18 +234,18 @@ def _varlen_attention_fwd_kernel(
         mid = i_m * BLOCK_M if IS_CAUSAL else (L // BLOCK_N) * BLOCK_N
         hi = tl.minimum(mid + BLOCK_M, L) if IS_CAUSAL else L
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, lo=0, hi=mid, L=L, qk_scale=qk_scale, cap=cap,
+            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m32, lo=0, hi=mid, L=L, qk_scale=qk_scale, cap=cap,
             win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
             BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET)
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m, lo=mid, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
+            b_acc, b_l, b_m, b_q, p_kh, p_vh, stride_kv, o_m32, lo=mid, hi=hi, L=L, qk_scale=qk_scale, cap=cap,
             win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
             BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET, MASK_CAUSAL=IS_CAUSAL, MASK_LEN=True)
 
     b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
     b_o = b_acc / b_l_safe[:, None]
-    tl.store(p_o + bos * stride_q + i_h * HEAD_DIM + o_m[:, None] * stride_q + o_d[None, :],
-             _cast(b_o, p_o.dtype.element_ty, INTERPRET), mask=m_q)
+    _store_rows(p_o + (bos + i_m * BLOCK_M) * stride_q + i_h * HEAD_DIM, L - i_m * BLOCK_M, stride_q,
+                _cast(b_o, p_o.dtype.element_ty, INTERPRET), BLOCK_M, HEAD_DIM, BLOCK_D)
     # Base-2 lse, the units the backward recomputes P in (the public function converts).
     b_lse = tl.where(b_l == 0.0, float("-inf"), b_m + tl.log2(b_l_safe))
     tl.store(p_lse + i_h.to(tl.int64) * T + bos + o_m, b_lse, mask=m_row)
@@ -266,9 +280,13 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
     dS @ K * scale, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    for start in range(lo, hi, BLOCK_M):
-        o_m = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        m_row = o_m < L
+    L32 = L.to(tl.int32)
+    # The causal diagonal's few steps are not software-pipelined: its q / dO pass through registers
+    # (non-finite entries zeroed), and a prefetched pair held there across the step spilled.
+    for start in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASK_CAUSAL else None):
+        o_m32 = (start + tl.arange(0, BLOCK_M)).to(tl.int32)
+        o_m = o_m32.to(tl.int64)
+        m_row = o_m32 < L32
         m_q = m_row[:, None] & m_d[None, :]
         b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
         b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
@@ -279,20 +297,23 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
         b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
         b_pt = tl.exp2(_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP))
         if MASK_WINDOW:
-            m_att = _in_window(o_m[None, :], o_n[:, None], win_left, win_right)
+            m_att = _in_window(o_m32[None, :], o_n[:, None], win_left, win_right)
         else:
-            m_att = o_m[None, :] >= o_n[:, None]
+            m_att = o_m32[None, :] >= o_n[:, None]
         if MASK_CAUSAL or MASK_WINDOW:
             b_pt = tl.where(m_att, b_pt, 0.0)
         b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
         if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
-            b_dpt = _dot_f64(p_v, o_n * stride_kv, o_n < L, p_do, o_m * stride_q, m_row, MASK_CAUSAL or MASK_WINDOW,
-                             HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M)
+            b_dpt = _dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row,
+                             MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M)
         else:
             b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
         b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]).to(tl.float32), b_tt, SOFTCAP)
-        if MASK_CAUSAL or MASK_WINDOW:  # a query's NaN lse / delta must not reach the keys it does not attend
-            b_dst = tl.where(m_att, b_dst, 0.0)
+        # A query's NaN lse / delta must not reach the keys it does not attend: there P is exactly 0. Keyed
+        # on P, not on the mask, which would stay live in registers across the dP product (spills); an
+        # attended P that underflowed to 0 then drops a non-finite dP too, whose inputs nan.py marks anyway.
+        if MASK_CAUSAL or MASK_WINDOW:
+            b_dst = tl.where(b_pt != 0.0, b_dst, 0.0)
         b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
         b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
         if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
@@ -339,6 +360,7 @@ def _varlen_attention_bwd_dkdv_kernel(
     # Causal: queries on the block's diagonal see part of it (masked [lo, mid)), later ones all of it.
     lo = i_n * BLOCK_N if IS_CAUSAL else 0
     mid = tl.minimum(lo + BLOCK_N, L) if IS_CAUSAL else 0
+    o_k = i_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 for the masks: int64 ones take registers
     for g in range(GROUP):
         i_h = (i_hk * GROUP + g).to(tl.int64)
         p_qh = p_q + bos * stride_q + i_h * HEAD_DIM
@@ -350,25 +372,30 @@ def _varlen_attention_bwd_dkdv_kernel(
         if LOCAL:  # sliding window: the queries that see some key of the block, all masked
             w_lo, w_hi = _window_range(i_n * BLOCK_N, BLOCK_N, win_right, win_left, L)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=w_lo, hi=w_hi, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET, MASK_WINDOW=True)
+                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
+                MASK_WINDOW=True)
         else:
             if IS_CAUSAL:
                 b_dk, b_dv = _dkdv_inner(
-                    b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                    b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                     lo=lo, hi=mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                     win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
                     BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     MASK_CAUSAL=True)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_n,
+                b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=mid, hi=L, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                 BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET)
-    tl.store(p_dk + o_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET), mask=m_kv)
-    tl.store(p_dv + o_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET), mask=m_kv)
+    o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
+    n_rows = L - i_n * BLOCK_N
+    _store_rows(p_dk + o_tile, n_rows, stride_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET),
+                BLOCK_N, HEAD_DIM, BLOCK_D)
+    _store_rows(p_dv + o_tile, n_rows, stride_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET),
+                BLOCK_N, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -453,4 +480,5 @@ def _varlen_attention_bwd_dq_kernel(
             qk_scale=qk_scale, cap=cap, win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, HEAD_DIM=HEAD_DIM,
             BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
             MASK_CAUSAL=IS_CAUSAL, MASK_LEN=True)
-    tl.store(p_dq + o_q, _cast(b_dq * sm_scale, p_dq.dtype.element_ty, INTERPRET), mask=m_q)
+    _store_rows(p_dq + (bos + i_m * BLOCK_M) * stride_q + i_h * HEAD_DIM, L - i_m * BLOCK_M, stride_q,
+                _cast(b_dq * sm_scale, p_dq.dtype.element_ty, INTERPRET), BLOCK_M, HEAD_DIM, BLOCK_D)

@@ -142,6 +142,8 @@ def micro_batches(
     """
     t = _as_int64("seqlens", seqlens)
     w = None if workloads is None else _as_int64("workloads", workloads)
+    if w is not None and np.array_equal(w, t):
+        w = None  # the C++ takes "workloads are the tokens" from one buffer: equal values must mean it too
     cap = check_int("max_token_len", max_token_len, minimum=1)
     lo = check_int("min_num_micro_batches", min_num_micro_batches, minimum=1)
     mult = check_int("num_micro_batches_multiple_of", num_micro_batches_multiple_of, minimum=1)

@@ -30,6 +30,11 @@ SETTINGS = dict(deadline=None, derandomize=False, suppress_health_check=[HealthC
 SIZES = [1, 2, 3, 7, 64, 257, 1000, 4096, 20_000]
 
 
+def _rng() -> np.random.Generator:
+    """A generator drawn from the per-test seed (conftest seeds numpy's global state)."""
+    return np.random.default_rng(np.random.randint(2**31))
+
+
 def lengths(rng: np.random.Generator, n: int, kind: str, max_len: int = MAX_LEN) -> np.ndarray:
     """n positive lengths of a named shape (RL batches: log-normal; edge shapes)."""
     if kind == "uniform":
@@ -118,7 +123,7 @@ RL_SIZES = [(2048, 8), (8192, 64), (20_000, 512)]
 @pytest.mark.parametrize("n,k", RL_SIZES, ids=[case_id(N=n, K=k) for n, k in RL_SIZES])
 def test_partitions_rl_batch_spread(n, k):
     """Realistic batch: refined spread <= reference KK's (the Python reference only at n=2048)."""
-    values = lengths(np.random.default_rng(), n, "lognormal")
+    values = lengths(_rng(), n, "lognormal")
     parts = dk.balanced_partitions(values, k)
     assert_partition(parts, n, k)
     s = sums(values, parts)
@@ -185,7 +190,7 @@ def test_micro_batches_rl_batch(seed):
 @pytest.mark.parametrize("kind,factor", [("lognormal", 1), ("uniform", 2), ("giant", 1)], ids=str)
 def test_micro_batches_20k(kind, factor):
     """The largest n of the issue, with explicit shapes (the worst, cap = longest, takes seconds)."""
-    seqlens = lengths(np.random.default_rng(), 20_000, kind)
+    seqlens = lengths(_rng(), 20_000, kind)
     cap = int(seqlens.max()) * factor
     mbs = dk.micro_batches(seqlens, cap, workloads=dk.attention_workload(seqlens, 4096))
     assert_partition(mbs, 20_000, len(mbs))
@@ -196,7 +201,7 @@ def test_micro_batches_20k(kind, factor):
 @pytest.mark.parametrize("lo,hi", [(34, 51), (26, 34)], ids=["over-third", "over-quarter"])
 def test_micro_batches_many_items_just_over_a_fraction(lo, hi):
     """Items over cap/3 pack at most 2 a bin: the count must be n/2, found fast."""
-    seqlens = np.random.default_rng().integers(lo, hi, 2000)
+    seqlens = _rng().integers(lo, hi, 2000)
     mbs = dk.micro_batches(seqlens, 100)
     per_bin = 100 // lo
     assert max(sums(seqlens, mbs)) <= 100
@@ -248,7 +253,7 @@ def test_micro_batches_giant_and_tiny():
 
 
 def test_micro_batches_dp_sync_count():
-    seqlens = lengths(np.random.default_rng(), 256, "lognormal")
+    seqlens = lengths(_rng(), 256, "lognormal")
     own = len(dk.micro_batches(seqlens, 24_576))
     synced = dk.micro_batches(seqlens, 24_576, min_num_micro_batches=own + 3, num_micro_batches_multiple_of=4)
     assert len(synced) == -(-(own + 3) // 4) * 4
@@ -337,7 +342,7 @@ INT_INPUTS = [
 
 @pytest.mark.parametrize("name,convert", INT_INPUTS, ids=[n for n, _ in INT_INPUTS])
 def test_input_types_agree(name, convert):
-    values = np.random.default_rng().integers(0, 100, 50)
+    values = _rng().integers(0, 100, 50)
     expect_parts = dk.balanced_partitions(values, 4)
     expect_mbs = dk.micro_batches(values, 300)
     assert dk.balanced_partitions(convert(values), 4) == expect_parts
@@ -394,7 +399,7 @@ def organ_pipe_ref(loads):
 
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 8, 33], ids=lambda m: case_id(M=m))
 def test_pipeline_order(m):
-    rng = np.random.default_rng()
+    rng = _rng()
     seqlens = rng.integers(1, 5000, 4 * m)
     mbs = [list(range(4 * i, 4 * i + 4)) for i in range(m)]
     mbs_loads = [int(seqlens[mb].sum()) for mb in mbs]
@@ -410,3 +415,10 @@ def test_pipeline_order_ties_and_errors():
     assert dk.pipeline_order([[0], [1], [2]], [5, 5, 5]) == [2, 0, 1]
     with pytest.raises(ValueError, match=r"micro_batches\[1\] holds index 9"):
         dk.pipeline_order([[0], [9]], [1, 2])
+
+
+def test_workloads_equal_to_seqlens_mean_the_default():
+    """Workloads with the values of seqlens (another buffer) give the default's micro-batches."""
+    v = np.random.default_rng(747).integers(0, 100, 50)  # a draw where the two paths differed
+    assert dk.micro_batches(v, 300, workloads=v.copy()) == dk.micro_batches(v, 300)
+    assert dk.micro_batches(v.astype(np.uint16), 300, workloads=v.astype(np.int32)) == dk.micro_batches(v, 300)

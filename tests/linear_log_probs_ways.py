@@ -5,6 +5,7 @@ import math
 
 import torch
 
+import dapo_kernels as dk
 from dapo_kernels.reference import linear_log_probs_ref
 from tests.tolerance import worst_of
 
@@ -77,6 +78,21 @@ def reference_and_torch(hidden, weight, labels, cot, temperature=1.0):
     ref = (lp, ent, dh, dw)
     ways = [grads_of(lambda h, w, f=f: f(h, w, labels, temperature), hidden, weight, *cot) for f in TORCH_WAYS]
     return ref, worst_of([(*o, dh_, dw_) for o, dh_, dw_ in ways], ref)
+
+
+def fused_loss_step(n, h, v, dtype):
+    """``((hidden, weight, labels, tok, leaf_h, leaf_w), step)``: fused-loss inputs (make_linear,
+    fused_inputs), leaf copies of hidden / weight, and a closure running forward + backward on the leaves
+    with entropy and KL terms."""
+    hidden, weight, labels = make_linear(n, h, v, dtype)
+    tok = fused_inputs(n, v)
+    leaf_h, leaf_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+    def step():
+        loss, _ = dk.fused_linear_policy_loss(leaf_h, leaf_w, labels, **tok, entropy_coeff=0.01, kl_coef=0.1)
+        loss.backward()
+
+    return (hidden, weight, labels, tok, leaf_h, leaf_w), step
 
 
 def fused_inputs(n, v, *, ref=True):

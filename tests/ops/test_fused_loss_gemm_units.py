@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import dapo_kernels as dk
 import dapo_kernels.ops.linear_log_probs as llp
 from tests.helpers import backend
-from tests.linear_log_probs_ways import fused_inputs, make_linear
+from tests.linear_log_probs_ways import fused_loss_step, make_linear
 
 N, H, V = 23, 16, 120
 
@@ -67,14 +67,7 @@ def chunked(request, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_loss_forward_backward_is_three_units(chunked, dtype):
-    hidden, weight, labels = make_linear(N, H, V, dtype)
-    tok = fused_inputs(N, V)
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-
-    def step():
-        loss, _ = dk.fused_linear_policy_loss(h, w, labels, **tok, entropy_coeff=0.01, kl_coef=0.1)
-        loss.backward()
-
+    (hidden, weight, labels, tok, h, w), step = fused_loss_step(N, H, V, dtype)
     with backend("triton"):
         assert _units(step) == 3
         with torch.no_grad():

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 import dapo_kernels as dk
 import dapo_kernels.ops.linear_log_probs as llp
 from tests.helpers import backend
-from tests.linear_log_probs_ways import fused_inputs, make_linear
+from tests.linear_log_probs_ways import fused_loss_step, make_linear
 
 N, H, V = 96, 16, 3000
 
@@ -63,14 +63,7 @@ def _check(peak: int, what: str):
 def test_fused_loss_workspace_within_model(chunked):
     """Forward and backward of the fused loss: the peak beyond dH / dW lies between the logits chunk
     alone and the model."""
-    hidden, weight, labels = make_linear(N, H, V, torch.float32)
-    tok = fused_inputs(N, V)
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-
-    def step():
-        loss, _ = dk.fused_linear_policy_loss(h, w, labels, **tok, entropy_coeff=0.01, kl_coef=0.1)
-        loss.backward()
-
+    _, step = fused_loss_step(N, H, V, torch.float32)
     with backend("triton"):
         _check(_peak_bytes(step), "fused loss")
 

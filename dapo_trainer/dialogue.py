@@ -51,7 +51,8 @@ def score_dialogues(out, rows: Sequence[dict], *, reward_fn: Optional[Callable] 
             scores.append(0.0)
             accs.append(0.0)
             continue
-        row = rows[out.group_index[k].item()]
+        row_index = out.group_index[k].item()
+        row = rows[row_index]
         if reward_fn is not None:
             last = next((m["content"] for m in reversed(c.messages) if m["role"] == "assistant"), "")
             score, res = check_reward(
@@ -60,7 +61,7 @@ def score_dialogues(out, rows: Sequence[dict], *, reward_fn: Optional[Callable] 
                            "response_length": len(c.tokens), "max_response_length": max_response_length,
                            "truncated": c.finish != "stop", "num_turns": c.num_turns}),
                 fn_name=getattr(reward_fn, "__name__", repr(reward_fn)), sample_index=k,
-                row_index=out.group_index[k].item())
+                row_index=row_index)
             cm.update({key: v for key, v in res.items() if isinstance(v, float)})
             cm["score"] = score
         elif weights:

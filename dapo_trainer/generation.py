@@ -180,14 +180,15 @@ class GenerationStage:
             ids = out.response(k)
             truncated = not ids or ids[-1] not in stops
             body = ids if truncated else ids[:-1]
-            row = rows[out.group_index[k].item()]
+            row_index = out.group_index[k].item()
+            row = rows[row_index]
             # verl's reward managers pass the row's extra_info with the per-response keys merged in.
             extra = {**row.get("extra_info", {}), "prompt": row["prompt"], "response_length": len(ids),
                      "max_response_length": max_len, "truncated": truncated}
             score, res = rewards.check_reward(
                 self.reward_fn(row["data_source"], self.tokenizer.decode(body), row["ground_truth"], extra),
                 fn_name=getattr(self.reward_fn, "__name__", repr(self.reward_fn)), sample_index=k,
-                row_index=out.group_index[k].item())
+                row_index=row_index)
             acc = float(res["acc"]) if "acc" in res else float(score > 0)
             scores.append(score)
             accs.append(acc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional
 
 import torch
 
@@ -197,13 +197,17 @@ def _safetensor_error() -> type:
     return getattr(safetensors, "SafetensorError", Exception)
 
 
-def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
+                  keep: Optional[Callable[[ModelConfig, str], bool]] = None) -> Transformer:
     """Build the model described by ``path/config.json`` and load its safetensors weights.
 
     Args:
         path: local checkpoint directory (single file or sharded with an index).
         dtype: parameter dtype (the checkpoint's tensors are cast).
         device: where the parameters are created.
+        keep: ``keep(config, name)`` is True for the parameters (our names, a tied weight as
+            ``embed_tokens.weight``) to read; the others are never read and stay on the meta
+            device, for a caller that drops them (None: all).
     Raises:
         ValueError naming unsupported config fields, missing weight names, unexpected
         weight names, or shape mismatches.
@@ -216,7 +220,9 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu") -
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name: p for name, p in model.named_parameters()}  # tied weights appear once
+    wanted = {name for name in expected if keep is None or keep(cfg, name)}
     state: Dict[str, torch.Tensor] = {}
+    seen: Dict[str, tuple] = {}  # name -> shape (from the header for the weights not read)
     unexpected = []
     for file in _weight_files(path):
         full = os.path.join(path, file)
@@ -229,19 +235,23 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu") -
                     if name not in expected:
                         unexpected.append(key)
                         continue
-                    state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    if name in wanted:
+                        state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                        seen[name] = tuple(state[name].shape)
+                    else:  # no bytes read: the parameter stays on meta
+                        seen[name] = tuple(f.get_slice(key).get_shape())
         except (OSError, _safetensor_error()) as e:
             raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    missing = [hf_name(n) for n in expected if n not in state]
+    missing = [hf_name(n) for n in expected if n not in seen]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing {len(missing)} weight(s): {missing[:8]}"
                          + (" ..." if len(missing) > 8 else ""))
     if unexpected:
         raise ValueError(f"checkpoint {path!r} has {len(unexpected)} weight(s) this model does not use: "
                          f"{unexpected[:8]}" + (" ..." if len(unexpected) > 8 else ""))
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"checkpoint weight {hf_name(name)} has shape {list(t.shape)}, "
+    for name, shape in seen.items():
+        if shape != tuple(expected[name].shape):
+            raise ValueError(f"checkpoint weight {hf_name(name)} has shape {list(shape)}, "
                              f"config.json implies {list(expected[name].shape)}")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -43,7 +43,7 @@ from .generation import GenerationStage
 from .hf_io import load_hf_model, read_hf_config
 from .metrics import MetricsLogger
 from .offload import ActivationOffload
-from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict
+from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict, stage_keep
 from .rollout import make_rollout
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
@@ -70,7 +70,7 @@ def resolve_device(name: str) -> torch.device:
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, path: str, trainable: bool = True):
     """The HF model at ``path`` with the run's checkpointing / offload, parallelised by ``dims``."""
     m = cfg.actor_rollout_ref.model
-    model = load_hf_model(path, _DTYPES[m.dtype], device)
+    model = load_hf_model(path, _DTYPES[m.dtype], device, keep=stage_keep(dims.pp_rank, dims.pp, dims.vpp))
     model.activation_checkpointing = m.enable_gradient_checkpointing and trainable
     if model.activation_checkpointing and m.enable_activation_offload:
         model.activation_offload = ActivationOffload()

@@ -20,7 +20,7 @@ _EXPORTS = {
     "apply_sequence_parallel": "sequence", "shard_sequence": "sequence",
     "ParallelDims": "dims", "parallelize_model": "dims",
     "apply_pipeline": "pipeline", "build_pipeline": "pipeline", "pipeline_state_dict": "pipeline",
-    "pp_clip_grads": "pipeline", "tied_grad_sync": "pipeline",
+    "pp_clip_grads": "pipeline", "tied_grad_sync": "pipeline", "stage_keep": "pipeline",
 }
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "pipeline_state_dict",
     "pp_clip_grads",
     "tied_grad_sync",
+    "stage_keep",
     "parallelize",
     "apply_sequence_parallel",
     "shard_sequence",

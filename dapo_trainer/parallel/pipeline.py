@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dapo_kernels as dk
 
-from ..model import Transformer, rope_cos_sin
+from ..model import ModelConfig, Transformer, rope_cos_sin
 from ..offload import offload_scope
 
 PP_KEY = "actor_rollout_ref.actor.pipeline_model_parallel_size"
@@ -76,15 +76,39 @@ class StageChunk(nn.Module):
         return self.norm(h) if self.last else h
 
 
+def stage_keep(pp_rank: int, pp: int, v: int = 1) -> Optional[Callable[[ModelConfig, str], bool]]:
+    """``keep(config, name)`` for :func:`~dapo_trainer.hf_io.load_hf_model`: True for the parameters
+    of pipeline rank ``pp_rank``'s stages (on the last, a tied embedding's weight: its ``lm_head``),
+    so a rank reads and materialises only its own layers before :func:`split_model` cuts; None
+    (all) at ``pp=1``."""
+    if pp == 1:
+        return None
+
+    def keep(cfg: ModelConfig, name: str) -> bool:
+        n = pp * v
+        mine = [s for s in range(n) if s % pp == pp_rank]
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            return any(layer in r for s, r in enumerate(stage_layers(cfg.num_layers, pp, v)) if s in mine)
+        if name == "embed_tokens.weight":
+            return 0 in mine or (n - 1 in mine and cfg.tie_word_embeddings)
+        return n - 1 in mine  # norm, lm_head
+
+    return keep
+
+
 def split_model(model: Transformer, pp_rank: int, pp: int, v: int = 1) -> List[StageChunk]:
     """This rank's stages of ``model`` (stage indices ``pp_rank + k * pp``), the model pruned in
-    place to their modules. Tied embeddings: the last stage's ``lm_head.weight`` becomes a copy."""
+    place to their modules (those of other stages may be on the meta device: :func:`stage_keep`).
+    Tied embeddings: the last stage's ``lm_head.weight`` becomes its own parameter."""
     n = pp * v
     ranges = stage_layers(model.config.num_layers, pp, v)
     mine = [s for s in range(n) if s % pp == pp_rank]
     tied = model.config.tie_word_embeddings and pp > 1
-    if tied and pp_rank == pp - 1:  # the copy's gradient is summed with the embedding's (tied_grad_sync)
-        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    if tied and pp_rank == pp - 1:  # its gradient is summed with the embedding's (tied_grad_sync)
+        # pp > 1: this rank does not hold stage 0, so the embedding is dropped below and the
+        # storage need not be copied.
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach())
     owned = nn.ModuleDict({str(i): model.layers[i] for s in mine for i in ranges[s]})
     model.layers = owned
     if 0 not in mine:

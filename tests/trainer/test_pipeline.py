@@ -5,7 +5,8 @@ A 4-layer tiny model; one trainer step at PP=2 (1F1B), PP=2 x 2 virtual stages (
 pipelines), and at 4 processes PP=2 x DP=2 (DDP per stage, and FSDP2), PP=2 x TP=2 and tied
 embeddings at PP=2 x DP=2: the train batch equal to one process's, the metrics and the updated
 weights (which carry the gradients: one AdamW step from the same state) equal within fp32
-reduction noise. Every rank holds a sampling replica and samples its own share.
+reduction noise. Every rank holds a sampling replica and samples its own share. PP=2 and
+PP=2 x DP=2 also train CURVE_STEPS steps: every step's metrics equal one process's (CURVE_ATOL).
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import torch
 
 from dapo_trainer.config import load_config
 from dapo_trainer.parallel import tp_shard_dims, unshard
-from dapo_trainer.parallel.pipeline import stage_layers
+from dapo_trainer.hf_io import load_hf_model
+from dapo_trainer.parallel.pipeline import split_model, stage_keep, stage_layers
+from dapo_trainer.tools.memory_model import stage_params
 from dapo_trainer.trainer import DAPOTrainer
 from tests.helpers import spawn_process_group
 from tests.trainer.tiny import micro_setup, write_tiny_model
@@ -47,6 +50,14 @@ RTOL, ATOL = 1e-5, 1e-7
 # fraction of lr (seen: 3e-5 under TP) although the gradients agree to 1e-6; those are compared directly.
 WEIGHT_ATOL = 1e-4
 GRAD_RTOL = 1e-5  # of the parameter's largest gradient entry: fp32 sums in another order (micro-batch padding)
+CURVE_STEPS = 3
+# Per step of a curve: what depends on the micro-batch layout or the clock, not on the model.
+LAYOUT_KEYS = ("actor/num_micro_batches", "actor/micro_batch_utilization", "train/local_response_tokens")
+# The float metrics are means of O(1) per-token terms (ratio x advantage, entropy, log-ratio) summed in
+# another order; the loss and ppo_kl nearly cancel (advantages centred), so the bound is absolute:
+# 16 fp32 roundings (2^-24 each) of O(1) terms, plus RTOL for the accumulated drift of the weights
+# (per-step updates equal to ~1e-7 relative, the demo's 10 steps drift to 3e-6 relative in grad_norm).
+CURVE_ATOL = 16 * 2.0 ** -24
 
 
 def _setup(root: str, *, tied: bool = False) -> list:
@@ -83,10 +94,44 @@ def _run(overrides) -> dict:
             "replica": {k: v.detach().clone() for k, v in trainer.rollout_model.state_dict().items()}}
 
 
-def _worker(rank: int, root: str, base: list, scenarios: dict):
+def _fit_curve(overrides) -> list:
+    """CURVE_STEPS steps of ``fit``; the rows of its metrics.jsonl (rank 0 writes them)."""
+    from dapo_trainer.metrics import read_metrics
+
+    trainer = DAPOTrainer(load_config(overrides=overrides + [f"trainer.total_training_steps={CURVE_STEPS}"]))
+    trainer.fit()
+    return read_metrics(trainer.run_dir)
+
+
+def _worker(rank: int, root: str, base: list, scenarios: dict, curves: dict):
     torch.set_num_threads(1)
     out = {name: _run(base + [f"trainer.default_local_dir={root}/{name}"] + extra) for name, extra in scenarios.items()}
+    out["curves"] = {name: _fit_curve(base + [f"trainer.default_local_dir={root}/{name}"] + extra)
+                     for name, extra in curves.items()}
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
+
+
+def _compare_curve(single: list, got: list, name: str) -> list:
+    """Every step's metrics: sampling, rewards and counts equal; the update's (actor/*) within
+    RTOL + CURVE_ATOL."""
+    fails, worst = [], 0.0
+    if [r["step"] for r in got] != [r["step"] for r in single] or len(single) != CURVE_STEPS:
+        return [f"{name}: steps {[r['step'] for r in got]} vs {[r['step'] for r in single]}"]
+    for ref, row in zip(single, got):
+        keys = [k for k in ref if not k.startswith(("timing_s/", "perf/")) and k not in LAYOUT_KEYS]
+        if set(keys) - set(row):
+            fails.append(f"{name} step {ref['step']}: metrics {sorted(set(keys) - set(row))} missing")
+        for k in set(keys) & set(row):
+            a, b = ref[k], row[k]
+            if not k.startswith("actor/") or k in EXACT or k == "actor/lr":  # sampling, rewards, counts
+                ok = a == b
+            else:  # the model's numerics
+                worst = max(worst, abs(a - b) / (RTOL * abs(a) + CURVE_ATOL))
+                ok = abs(a - b) <= RTOL * abs(a) + CURVE_ATOL
+            if not ok:
+                fails.append(f"{name} step {ref['step']}: {k} {b} vs {a}")
+    print(f"{name:10s} {CURVE_STEPS}-step curve: worst float difference {worst:.2f} of the bound")
+    return fails
 
 
 def _compare(single: dict, got: dict, name: str) -> list:
@@ -118,8 +163,9 @@ def _compare(single: dict, got: dict, name: str) -> list:
     return fails
 
 
-def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = False) -> None:
+def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = False, curves=None) -> None:
     base = _setup(str(tmp_path), tied=tied)
+    curves = curves or {}
     layout = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "strategy")  # not in the 1-process run
     extra_single = {name: [o for o in extra if not o.split("=")[0].endswith(layout)]
                     for name, extra in scenarios.items()}
@@ -128,8 +174,13 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = Fa
         key = tuple(extra)
         if key not in singles:
             singles[key] = _run(base + [f"trainer.default_local_dir={tmp_path}/single"] + extra)
-    spawn_process_group(_worker, world, str(tmp_path), base, scenarios, timeout=datetime.timedelta(seconds=300))
+    single_curve = _fit_curve(base + [f"trainer.default_local_dir={tmp_path}/single_curve"]) if curves else None
+    spawn_process_group(_worker, world, str(tmp_path), base, scenarios, curves,
+                        timeout=datetime.timedelta(seconds=300))
     fails, grads = [], {name: {} for name in scenarios}
+    curve_rows = torch.load(tmp_path / "rank0.pt", weights_only=False)["curves"]
+    for name in curves:
+        fails += _compare_curve(single_curve, curve_rows[name], name)
     for r in range(world):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         for name in scenarios:
@@ -153,6 +204,41 @@ def test_stage_layers_split_and_refusal():
         stage_layers(6, 2, 2)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("pp,v", [(2, 1), (2, 2), (4, 1)])
+def test_rank_loads_only_its_stages(tmp_path, pp, v, tied):
+    """A pipeline rank reads and materialises only its stages' parameters (stage_keep): before the cut
+    the non-meta parameters number stage_params(config, pp, rank) and equal the checkpoint's, the rest
+    are meta; after split_model none is meta, and the stages chained over the ranks give the whole
+    model's hidden states (tied: the last stage's lm_head is the embedding's values)."""
+    _setup(str(tmp_path), tied=tied)
+    path = str(tmp_path / "model")
+    full = load_hf_model(path)
+    ref = full.state_dict()
+    chunks = {}
+    for rank in range(pp):
+        model = load_hf_model(path, keep=stage_keep(rank, pp, v))
+        params = {id(p): p for p in model.parameters()}.values()
+        real = [p for p in params if not p.is_meta]
+        assert sum(p.numel() for p in real) == stage_params(full.config, pp, rank), rank
+        assert len(real) < len(params)  # the other stages' parameters were never read
+        for name, p in model.named_parameters():
+            assert p.is_meta or torch.equal(p, ref[name]), name
+        for k, chunk in enumerate(split_model(model, rank, pp, v)):
+            chunks[rank + k * pp] = chunk
+        assert not any(p.is_meta for p in model.parameters()), rank
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 13], dtype=torch.int32)
+    ids = torch.randint(0, full.config.vocab_size, (13,), generator=g)
+    with torch.no_grad():
+        want = full(ids, cu, 7)
+        h = ids
+        for s in range(pp * v):
+            h = chunks[s](h, cu.reshape(1, -1), torch.tensor([7]))
+    assert (h - want).abs().max() <= 1e-6
+    assert torch.equal(chunks[pp * v - 1].lm_head.weight, ref["lm_head.weight"])
+
+
 def test_config_refuses_sp_with_pp_and_too_few_rows():
     """SP x PP is refused naming both keys; a mini-batch needs a row per pipeline stage."""
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2.*not supported"):
@@ -169,15 +255,16 @@ def test_config_refuses_sp_with_pp_and_too_few_rows():
 def test_pp2_equals_one_process(tmp_path):
     """PP=2 (1F1B), PP=2 x 2 virtual stages (interleaved), PP=2 with KL + 2 epochs (forward-only
     pipelines for old / ref log-probs) and with fixed-size micro-batches: first step's batch, metrics,
-    gradients and updated weights equal one process's."""
-    _spawn_and_compare(tmp_path, 2, SCENARIOS_2)
+    gradients and updated weights equal one process's; at PP=2 every step of a CURVE_STEPS-step run too."""
+    _spawn_and_compare(tmp_path, 2, SCENARIOS_2, curves={"pp2_curve": PP})
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_pp2_with_dp2_tp2_equals_one_process(tmp_path):
-    """PP=2 x DP=2 (DDP per stage; FSDP2 per stage) and PP=2 x TP=2: first step equal to one process."""
-    _spawn_and_compare(tmp_path, 4, SCENARIOS_4)
+    """PP=2 x DP=2 (DDP per stage; FSDP2 per stage) and PP=2 x TP=2: first step equal to one process;
+    at PP=2 x DP=2 every step of a CURVE_STEPS-step run too."""
+    _spawn_and_compare(tmp_path, 4, SCENARIOS_4, curves={"pp2xdp2_curve": PP})
 
 
 @pytest.mark.multiproc

@@ -17,12 +17,17 @@
   checkpointing a layer keeps only its input (H), and one layer is recomputed at a time in the
   backward; activation offload moves the kept inputs to host memory;
 * ``backward``: the gradient of the residual stream entering the backward (2 H per token);
+* ``gathered``: under FSDP (``fsdp > 1``) what FSDP2 holds unsharded, the per-layer working set
+  no shard count reduces: the root unit's parameters (embedding, final norm, ``lm_head``: kept
+  gathered from forward to backward, the loss reads ``lm_head`` after the forward), two decoder
+  layers' (the one computed and the one prefetched) and the computed layer's gradient in fp32
+  (the reduce dtype) before its reduce-scatter;
 * ``loss``: the fused loss (dk.fused_linear_policy_loss, torch path): the fp32 weight gradient
   [V, H] and hidden gradient [tokens, H] it computes in the forward, and its logits workspace,
   two fp32 [C, V] buffers plus one [C, V] gradient chunk, C = min(tokens, 64 MiB / (8 V)) rows.
 
 The peak is the larger of two moments: the start of the backward, ``params + optimizer +
-activations + backward + loss`` (gradients are set to None after each step, so they grow as the
+activations + backward + loss + gathered`` (gradients are set to None after each step, so they grow as the
 backward frees activations: with one micro-batch per mini-batch they have not been allocated yet),
 and the optimizer step, ``params + grads + optimizer + optimizer_step``. With several micro-batches
 per mini-batch the gradients of the earlier ones are there at the later ones' backward:
@@ -118,12 +123,18 @@ def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "
     activations = in_flight(pp, v, rank, micro_batches) * t * kept + (t * act["layer"] if checkpointing else 0)
     rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
     largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp) / par.fsdp
+    # FSDP2's unsharded units on this rank: its stage's root (embedding / norm + lm_head) and two layers.
+    root = (V * H if first else 0) + (V * H + H if last else 0) - (V * H if first and last and cfg.tie_word_embeddings
+                                                                   else 0)
+    layer = (cfg.num_params(embeddings=False) - H) / cfg.num_layers / par.tp
+    gathered = (root * b + 2 * layer * b + 4 * layer) if par.fsdp > 1 else 0.0
     out = {"params": P * b, "grads": P * b, "optimizer": 2 * P * b, "optimizer_step": (P if foreach else largest) * b,
            "activations": activations, "backward": t * 2 * H * b,
            "loss": 4 * V * H + 4 * t * H + 3 * 4 * rows * V if last else 0.0,
+           "gathered": gathered,
            "pipe": micro_batches * t * H * b * ((0 if first else 3) + (0 if last else 1)) if pp > 1 else 0.0}
     backward = (out["params"] + out["optimizer"] + out["activations"] + out["backward"] + out["loss"] + out["pipe"]
-                + (out["grads"] if micro_batches > 1 else 0))
+                + out["gathered"] + (out["grads"] if micro_batches > 1 else 0))
     out["peak"] = max(backward, out["params"] + out["grads"] + out["optimizer"] + out["optimizer_step"] + out["pipe"])
     out["stage"] = rank
     return out

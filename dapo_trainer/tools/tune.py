@@ -119,6 +119,12 @@ def fill_probability(gen_batch_size: int, keep: float, need: int, batches: int) 
     return max(0.0, 1.0 - sum(math.exp(x) for x in logs))
 
 
+def _sp_fits(cfg, sp: int, world: int) -> bool:
+    """Ulysses SP of ``sp`` ranks is possible: it divides the devices and the heads, and the KV heads
+    divide it or it them (dapo_trainer.parallel.sequence)."""
+    return world % sp == 0 and cfg.num_heads % sp == 0 and (cfg.num_kv_heads % sp == 0 or sp % cfg.num_kv_heads == 0)
+
+
 def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] = None,
          profile: Optional[str] = None) -> List[Tuple[str, object, str]]:
     """``[(dotted key, value, reason)]`` of the tuned config."""
@@ -184,23 +190,50 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     world = hw.devices
     # Dense replicas (DDP) while the states take at most half the usable memory; else FSDP over every
     # device, up to STATE_SHARE (the rest is for activations: the token cap search below checks it).
-    # One device has no one to shard with: DDP up to STATE_SHARE. Then pipeline stages (the smallest
-    # count dividing the layers and the devices), FSDP over the devices left per stage.
+    # One device has no one to shard with: DDP up to STATE_SHARE. Then TP x FSDP (TP sizes dividing the
+    # heads, the KV heads, the MLP and the vocabulary), then pipeline stages (the smallest count dividing
+    # the layers and the devices, with each TP size), FSDP over the devices left (TP alone over every
+    # device is not tried: TP x FSDP, as verl's Megatron layouts). A layout is taken when
+    # its states fit and one sequence trains on it with checkpointing and offload (SP only without PP).
+    tps = [t for t in (2, 4, 8) if world % t == 0 and t < world and all(
+        getattr(cfg, k) % t == 0 for k in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"))]
     layouts = [(1, 1, 1, "ddp", 0.5), (world, 1, 1, "fsdp2", STATE_SHARE)] if world > 1 else \
         [(1, 1, 1, "ddp", STATE_SHARE)]
-    layouts += [(world // pp, 1, pp, "fsdp2" if world > pp else "ddp", STATE_SHARE) for pp in range(2, world + 1)
-                if world % pp == 0 and cfg.num_layers % pp == 0]
-    chosen, tried = None, []
+    layouts += [(world // t, t, 1, "fsdp2" if world > t else "ddp", STATE_SHARE) for t in tps]
+    layouts += [(world // (pp * t), t, pp, "fsdp2" if world > pp * t else "ddp", STATE_SHARE)
+                for pp in range(2, world + 1) if world % pp == 0 and cfg.num_layers % pp == 0
+                for t in [1] + tps if world % (pp * t) == 0]
+
+    def peak(tokens, ckpt, offload, sp, fsdp, tp, pp):
+        return train_memory(cfg, tokens * sp, dtype=hw.dtype, checkpointing=ckpt, offload=offload,
+                            par=Parallel(tp=tp, fsdp=fsdp, sp=sp, pp=pp), micro_batches=max(2, pp),
+                            foreach=hw.device != "cpu")
+
+    chosen, tried, no_seq = None, [], None
     for fsdp, tp, pp, strategy, share in layouts:
         # The states of the pipeline rank holding the most (the embedding's or lm_head's stage).
         static = train_memory(cfg, 1, dtype=hw.dtype, par=Parallel(tp=tp, fsdp=fsdp, pp=pp), micro_batches=pp)
         states = static["params"] + static["grads"] + static["optimizer"]
         # Sharded training keeps an unsharded replica for the sampler (dapo_trainer.trainer), as every pipeline rank.
         replica = P * b if strategy == "fsdp2" or pp > 1 else 0
-        tried.append((pp, states + replica))
-        if states + replica <= share * budget:
+        if tp == 1:
+            tried.append((pp, states + replica))
+        if states + replica > share * budget:
+            continue
+        # The least one sequence needs here (checkpointing, offload, the most SP ranks the layout allows).
+        sps = [1] + [s for s in (2, 4, 8) if tp == pp == 1 and _sp_fits(cfg, s, world)]
+        seq_need = min(peak(seq, True, True, sp, fsdp, tp, pp)["peak"] for sp in sps) + replica
+        if seq_need <= budget:
             chosen = (fsdp, tp, pp, strategy, states, replica)
             break
+        if no_seq is None or pp == 1:
+            no_seq = (fsdp, tp, seq_need)  # the last pipeline-free layout that fails for the sequence
+    if chosen is None and no_seq is not None:
+        fsdp, tp, need = no_seq
+        raise ValueError(f"one sequence of {seq} tokens does not fit for training on {hardware} even with "
+                         f"checkpointing, offload and sequence parallel: {need / GIB:.1f} GiB per device at "
+                         f"TP={tp} x FSDP={fsdp} and on every pipeline layout tried, over the {budget / GIB:.0f} "
+                         f"GiB usable; lower the lengths")
     if chosen is None:
         fsdp, tp, pp, strategy, share = layouts[min(1, len(layouts) - 1)]
         need = tried[min(1, len(tried) - 1)][1]
@@ -216,20 +249,29 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
         + ("(DDP: within its share of the usable memory)" if strategy == "ddp" else
            f"sharded over {fsdp} devices (+ {replica / GIB:.1f} GiB unsharded sampler replica)"))
     put("actor_rollout_ref.actor.tensor_model_parallel_size", tp,
-        "FSDP sharding suffices; TP only helps when a layer's matmuls are too large for one device")
+        "FSDP sharding suffices; TP only helps when a layer's matmuls are too large for one device" if tp == 1 else
+        f"one sequence does not fit with FSDP alone: TP={tp}, the smallest of {tps} (sizes below {world} dividing "
+        f"the heads, the {cfg.num_kv_heads} KV heads, the MLP and the vocabulary) with which it fits")
     if pp > 1:
+        stage = peak(seq, True, True, 1, fsdp, tp, pp)
+        if no_seq is not None:
+            why = (f"the layers do not fit after TP={no_seq[1]} x FSDP={no_seq[0]} (TP sizes dividing the "
+                   f"{cfg.num_heads} heads and {cfg.num_kv_heads} KV heads: {tps or 'none'} below {world}; SP: "
+                   f"{[s for s in (2, 4, 8) if _sp_fits(cfg, s, world)] or 'none'}): one {seq}-token sequence "
+                   f"needs {no_seq[2] / GIB:.1f} GiB per device with checkpointing and offload (FSDP shards "
+                   f"neither the activations nor the gathered layers and root), over {budget / GIB:.0f} GiB")
+        else:
+            why = (f"the layers do not fit one device's share at one stage ({tried[1][1] / GIB:.1f} GiB of weights, "
+                   f"gradients, AdamW states and replica > {STATE_SHARE:.0%} of {budget / GIB:.0f} GiB)")
         put("actor_rollout_ref.actor.pipeline_model_parallel_size", pp,
-            f"the layers do not fit one device's share at one stage ({tried[1][1] / GIB:.1f} GiB of weights, "
-            f"gradients, AdamW states and replica > {share:.0%} of {budget / GIB:.0f} GiB); {pp} stages of "
-            f"{cfg.num_layers // pp} layers hold {(states + replica) / GIB:.1f} GiB on the largest (stage "
-            f"{int(static['stage'])}), the smallest stage count dividing the {cfg.num_layers} layers that fits")
+            f"{why}; PP={pp} (x TP={tp} x FSDP={fsdp}, checkpointing and offload) gives "
+            f"{(stage['peak'] + replica) / GIB:.1f} GiB per GPU "
+            f"on its largest stage (stage {int(stage['stage'])}, {cfg.num_layers // pp} layers each), the "
+            f"smallest stage count dividing the {cfg.num_layers} layers that fits")
     micro = max(2, pp)  # micro-batches per mini-batch: at least one per pipeline stage
 
     def fits(tokens, ckpt, offload, sp):
-        m = train_memory(cfg, tokens * sp, dtype=hw.dtype, checkpointing=ckpt, offload=offload,
-                         par=Parallel(tp=tp, fsdp=fsdp, sp=sp, pp=pp), micro_batches=micro,
-                         foreach=hw.device != "cpu")
-        return m["peak"] + replica <= budget
+        return peak(tokens, ckpt, offload, sp, fsdp, tp, pp)["peak"] + replica <= budget
 
     def max_tokens(ckpt, offload, sp):
         lo, hi = 0, 1 << 20
@@ -248,7 +290,7 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
                     f"with it {cap}")
     if cap < seq:
         offload, cap = True, max_tokens(True, True, 1)
-    while cap < seq and pp == 1 and sp < world and world % (sp * 2) == 0:  # SP x PP: not supported
+    while cap < seq and tp == pp == 1 and _sp_fits(cfg, sp * 2, world):  # SP x PP, SP x TP: not supported
         sp *= 2
         cap = max_tokens(ckpt, offload, sp)
     if cap < seq:

@@ -77,3 +77,20 @@ def test_tune_weighs_pipeline_stages():
     v = {k: x for k, x, _ in tune.tune("math", "8xH100", os.path.join(PRESETS, "models", "qwen2.5-7b"))}
     assert v["actor_rollout_ref.actor.strategy"] == "fsdp2"
     assert "actor_rollout_ref.actor.pipeline_model_parallel_size" not in v
+
+
+def test_fsdp_gathered_units_per_stage():
+    """FSDP2's unsharded working set: none without FSDP (the PP=1 single-device figures unchanged);
+    under FSDP the root (embedding + lm_head, one tied copy) and two layers' parameters plus one
+    layer's fp32 gradient, whatever the shard count; pipeline stages split the root between them."""
+    cfg = _cfg()
+    H, V = cfg.hidden_size, cfg.vocab_size
+    layer = (cfg.num_params(embeddings=False) - H) / cfg.num_layers
+    assert train_memory(cfg, 512, micro_batches=2)["gathered"] == 0
+    for fsdp in (2, 8):
+        m = stage_memory(cfg, 512, par=Parallel(fsdp=fsdp), micro_batches=2)
+        assert m["gathered"] == (2 * V * H + H) * 4 + 2 * layer * 4 + 4 * layer
+    tied = stage_memory(_cfg(tied=True), 512, par=Parallel(fsdp=2), micro_batches=2)
+    assert tied["gathered"] == (V * H + H) * 4 + 2 * layer * 4 + 4 * layer
+    first, last = (stage_memory(cfg, 512, r, par=Parallel(fsdp=2, pp=2), micro_batches=2)["gathered"] for r in (0, 1))
+    assert first == V * H * 4 + 12 * layer and last == (V * H + H) * 4 + 12 * layer

@@ -130,7 +130,7 @@ def _compare_curve(single: list, got: list, name: str) -> list:
                 ok = abs(a - b) <= RTOL * abs(a) + CURVE_ATOL
             if not ok:
                 fails.append(f"{name} step {ref['step']}: {k} {b} vs {a}")
-    print(f"{name:10s} {CURVE_STEPS}-step curve: worst float difference {worst:.2f} of the bound")
+    print(f"{name:10s} {CURVE_STEPS}-step curve: worst float difference {worst:.2e} of the bound")
     return fails
 
 

@@ -117,3 +117,39 @@ def test_tuned_lengths_fit_the_models_context(tmp_path):
     v = {k: (x, why) for k, x, why in tune.tune("math", "cpu", str(tmp_path / "model"))}
     assert v["data.max_prompt_length"][0] + v["data.max_response_length"][0] == 256
     assert "max_position_embeddings 256" in v["data.max_response_length"][1]
+
+
+def test_pipeline_suggested_where_tp_x_fsdp_cannot_fit(tmp_path):
+    """A model whose 5 KV heads allow neither TP nor Ulysses SP (50 heads: 2 does not divide 5, nor 5 2)
+    on 8 x A100-40GB: FSDP over the 8 devices holds the states but not one 5120-token sequence (the
+    gathered root and layers, the loss workspace and the sampler replica on every device); two
+    pipeline stages x FSDP 4 fit, and the reason gives both layouts' per-device memory."""
+    from dapo_trainer.hf_io import write_hf_config
+    from dapo_trainer.model import ModelConfig
+    from dapo_trainer.tools.memory_model import Parallel, train_memory
+
+    cfg = ModelConfig(vocab_size=128256, hidden_size=6400, intermediate_size=19200, num_layers=16, num_heads=50,
+                      num_kv_heads=5, head_dim=128, max_position_embeddings=8192)
+    write_hf_config(cfg, None, str(tmp_path))
+    v = {k: (x, why) for k, x, why in tune.tune("math", "8xA100-40GB", str(tmp_path))}
+    pp, why = v["actor_rollout_ref.actor.pipeline_model_parallel_size"]
+    assert pp == 2 and v["actor_rollout_ref.actor.tensor_model_parallel_size"][0] == 1
+    assert v["actor_rollout_ref.actor.strategy"][0] == "fsdp2"
+    assert v["actor_rollout_ref.actor.ulysses_sequence_parallel_size"][0] == 1
+    # The figures in the reason are the memory model's at one sequence with checkpointing and offload.
+    budget, replica = tune.HEADROOM * 40 * tune.GIB, 2 * cfg.num_params()
+
+    def need(fsdp, pp):
+        return train_memory(cfg, 5120, dtype="bfloat16", checkpointing=True, offload=True,
+                            par=Parallel(fsdp=fsdp, pp=pp), micro_batches=2)["peak"] + replica
+
+    assert need(8, 1) > budget >= need(4, 2)
+    assert (f"the layers do not fit after TP=1 x FSDP=8 (TP sizes dividing the 50 heads and 5 KV heads: none "
+            f"below 8; SP: none): one 5120-token sequence needs {need(8, 1) / tune.GIB:.1f} GiB") in why
+    assert (f"PP=2 (x TP=1 x FSDP=4, checkpointing and offload) gives {need(4, 2) / tune.GIB:.1f} GiB per GPU on "
+            "its largest stage") in why
+    # With 10 KV heads TP=2 divides the heads: the same shapes take TP=2 x FSDP=4 and no pipeline.
+    write_hf_config(ModelConfig(**{**cfg.__dict__, "num_kv_heads": 10, "hf_config": None}), None, str(tmp_path))
+    v = {k: x for k, x, _ in tune.tune("math", "8xA100-40GB", str(tmp_path))}
+    assert "actor_rollout_ref.actor.pipeline_model_parallel_size" not in v
+    assert v["actor_rollout_ref.actor.tensor_model_parallel_size"] == 2

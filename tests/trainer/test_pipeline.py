@@ -239,6 +239,24 @@ def test_rank_loads_only_its_stages(tmp_path, pp, v, tied):
     assert torch.equal(chunks[pp * v - 1].lm_head.weight, ref["lm_head.weight"])
 
 
+def test_rank_checks_the_weights_it_does_not_read(tmp_path):
+    """The checkpoint is checked whole on every rank: another stage's weight missing, or of the wrong
+    shape (read from the safetensors header), is refused by name as without PP."""
+    from safetensors.torch import load_file, save_file
+
+    _setup(str(tmp_path))
+    file = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(str(file))
+    keep = stage_keep(0, 2)
+    name = "model.layers.3.mlp.up_proj.weight"  # stage 1's
+    save_file({k: v for k, v in tensors.items() if k != name}, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing 1 weight.*layers.3.mlp.up_proj"):
+        load_hf_model(str(tmp_path / "model"), keep=keep)
+    save_file({**tensors, name: tensors[name][:-1].contiguous()}, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layers.3.mlp.up_proj.weight has shape"):
+        load_hf_model(str(tmp_path / "model"), keep=keep)
+
+
 def test_config_refuses_sp_with_pp_and_too_few_rows():
     """SP x PP is refused naming both keys; a mini-batch needs a row per pipeline stage."""
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2.*not supported"):

@@ -7,7 +7,13 @@ import os
 import random
 import zlib
 
+import pytest
+
 os.environ.setdefault("DAPO_KERNELS_POISON", "1")
+# oneDNN detects the CPU itself: capped to ATen's forced capability, or torch packs for AMX/VNNI that AVX2 lacks.
+_ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2"}.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+if _ONEDNN_ISA:
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA)
 try:
     import torch
 
@@ -15,8 +21,6 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
-
-import pytest
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests import interpreter_dot

@@ -22,9 +22,8 @@ try:
     if _ONEDNN_ISA:
         import torch._inductor.config
 
-        # Inductor's FX-graph cache key holds its config, not the ISA it picks from ATEN_CPU_CAPABILITY: name the
-        # width so code generated for AVX-512 is not reused (and compiled) under the emulated capability.
-        torch._inductor.config.cpp.simdlen = torch._inductor.config.cpp.simdlen or (256 if _ONEDNN_ISA == "AVX2" else 1)
+        # ATEN_CPU_CAPABILITY's width in Inductor's config, which its cache key holds (the ISA it picks, not).
+        torch._inductor.config.cpp.simdlen = 256 if _ONEDNN_ISA == "AVX2" else 1
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
 

@@ -7,16 +7,25 @@ import os
 import random
 import zlib
 
+import pytest
+
 os.environ.setdefault("DAPO_KERNELS_POISON", "1")
+# oneDNN detects the CPU itself: capped to ATen's forced capability, or torch packs for AMX/VNNI that AVX2 lacks.
+_ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2"}.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+if _ONEDNN_ISA:
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA)
 try:
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if _ONEDNN_ISA:
+        import torch._inductor.config
+
+        # ATEN_CPU_CAPABILITY's width in Inductor's config, which its cache key holds (the ISA it picks, not).
+        torch._inductor.config.cpp.simdlen = 256 if _ONEDNN_ISA == "AVX2" else 1
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
-
-import pytest
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests import interpreter_dot

@@ -31,6 +31,7 @@ EXPECTED_DOTS = {
     "_varlen_attention_fwd_kernel": {"b_s", "b_pv"},
     "_varlen_attention_bwd_dkdv_kernel": {"b_st", "b_dv", "b_dpt", "b_dk"},
     "_varlen_attention_bwd_dq_kernel": {"b_s", "b_dp", "b_dq"},
+    "_varlen_attention_fwd_hopper_kernel": {"b_s", "b_pv"},
 }
 
 _PTX = """

@@ -61,6 +61,7 @@ MIN_WGMMA_N = 64
 # no tensor-core instruction computes: those dots are FMA by design.
 MATMUL_KERNELS = (
     "_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel", "_varlen_attention_bwd_dq_kernel",
+    "_varlen_attention_fwd_hopper_kernel",
 )
 B16 = ("float16", "bfloat16")
 
@@ -187,7 +188,7 @@ class Record:
         return None if d is None else next((t for t in ATTN_HEAD_DIMS if t >= d), None)
 
 
-_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|num_warps|num_stages)$")
+_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|TMA|num_warps|num_stages)$")
 
 
 @contextlib.contextmanager

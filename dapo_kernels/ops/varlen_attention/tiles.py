@@ -41,6 +41,11 @@ _GPU_TILES = {
     ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
                      96: (128, ((64, 8, 3),)), 128: (128, ((64, 8, 3), (128, 8, 2))),  # (128 keys: D=96 spilled)
                      256: (64, ((16, 8, 3), (32, 8, 3)))},
+    # The descriptor (TMA) forward on Hopper (triton_fwd_tma.py), autotuned beside the "fwd" row's configs;
+    # its outer block is the "fwd" row's (the work list is built before the autotuner picks).
+    # (128 keys at 3 stages: D = 128 window + softcap spilled 64 B.)
+    ("tma_fwd", 90, 2): {64: (128, ((64, 8, 3), (64, 8, 4), (128, 8, 3))),
+                         **dict.fromkeys((96, 128), (128, ((64, 8, 3), (64, 8, 4), (64, 8, 5), (128, 8, 2))))},
     ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
                      **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
     ("dkdv", 90, 2): {**_F16_DKDV, **_F16_DKDV_90},

@@ -46,6 +46,9 @@ _GPU_TILES = {
     # (128 keys at 3 stages: D = 128 window + softcap spilled 64 B.)
     ("tma_fwd", 90, 2): {64: (128, ((64, 8, 3), (64, 8, 4), (128, 8, 3))),
                          **dict.fromkeys((96, 128), (128, ((64, 8, 3), (64, 8, 4), (64, 8, 5), (128, 8, 2))))},
+    # Offered only without window and softcap: (inner, warps, stages, maxnreg) capped at 128 registers for 2
+    # blocks per SM, spill-free plain; with softcap or a window it spilled 80-88 B.
+    ("tma_fwd_plain", 90, 2): dict.fromkeys((96, 128), (128, ((64, 8, 2, 128),))),
     ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
                      **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
     ("dkdv", 90, 2): {**_F16_DKDV, **_F16_DKDV_90},

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import INTERPRET
-from .tiles import _GPU_TILES, _tile_dim, _tiles
+from .tiles import _GPU_TILES, _arch_family, _tile_dim, _tiles
 from .triton_kernels import (
     _cast,
     _finite_or_zero,
@@ -65,19 +65,25 @@ def _configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "TMA": True}, num_warps=1, num_stages=1)]
     out = []
-    for tma, kernel in ((False, "fwd"), (True, "tma_fwd")):
+    for tma, kernel in ((False, "fwd"), (True, "tma_fwd"), (True, "tma_fwd_plain")):
         tiles = {c for _, cs in _GPU_TILES[kernel, 90, 2].values() for c in cs}
-        out += [triton.Config({"BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s) for bn, w, s in sorted(tiles)]
+        out += [triton.Config({"BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, maxnreg=(reg or [None])[0])
+                for bn, w, s, *reg in sorted(tiles)]
     return out
 
 
 def _prune(configs, named_args, **kwargs):
-    """Keep the configs of this launch's dtype and head dim: each variant's own table row."""
+    """Keep the configs of this launch's dtype and head dim: each variant's own table row (and the
+    ``tma_fwd_plain`` row's without window and softcap)."""
     if INTERPRET:
         return configs
     dtype, head_dim = named_args["p_q"].dtype, kwargs["HEAD_DIM"]
-    offered = {tma: _tiles("tma_fwd" if tma else "fwd", dtype, head_dim)[1] for tma in (False, True)}
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in offered[c.kwargs["TMA"]]]
+    offered = {False: _tiles("fwd", dtype, head_dim)[1], True: _tiles("tma_fwd", dtype, head_dim)[1]}
+    plain = _GPU_TILES.get(("tma_fwd_plain", _arch_family(), dtype.itemsize), {}).get(_tile_dim(head_dim))
+    if plain and not (kwargs["LOCAL"] or kwargs["SOFTCAP"]):
+        offered[True] += plain[1]
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, *([c.maxnreg] if c.maxnreg else []))
+            in offered[c.kwargs["TMA"]]]
 
 
 @triton.jit
@@ -103,8 +109,8 @@ def _fwd_tma_inner(b_acc, b_l, b_m, b_q, d_k, d_v, o_m, lo, hi, L, qk_scale, cap
         if MASK_WINDOW:
             b_s = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L),
                            b_s, float("-inf"))
-        elif MASK_CAUSAL:
-            b_s = tl.where((o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L), b_s, float("-inf"))
+        elif MASK_CAUSAL:  # (keys >= L are after every row < L; rows >= L are never stored)
+            b_s = tl.where(o_m[:, None] >= o_n[None, :], b_s, float("-inf"))
         elif MASK_LEN:
             b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)

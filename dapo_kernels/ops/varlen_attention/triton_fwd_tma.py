@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import INTERPRET
-from .tiles import _GPU_TILES, _arch_family, _tile_dim, _tiles
+from .tiles import _GPU_TILES, TMA_FWD_PLAIN_MAXNREG, _arch_family, _tile_dim
 from .triton_kernels import (
     _cast,
     _finite_or_zero,
@@ -35,6 +35,7 @@ from .triton_kernels import (
 # Device-side descriptors exist in every declared Triton (3.6 and 3.9, and the 3.9 / 3.6 interpreters);
 # an older Triton lacking them runs the pointer kernel only.
 DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+_MAXNREG = {"tma_fwd_plain": TMA_FWD_PLAIN_MAXNREG}  # register caps per _GPU_TILES row (others: none)
 # Today's forward, inlined as the TMA=False branch (its autotuner's jit function).
 _POINTER_FWD = _varlen_attention_fwd_kernel.fn
 
@@ -59,16 +60,16 @@ def tma_offered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: int) ->
     return DESCRIPTORS and _tile_dim(q.shape[-1]) in rows and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-def _configs():
+def _configs(interpret: bool = INTERPRET):
     """The pointer kernel's sm_90 16-bit configs (TMA=False) and the descriptor ones (TMA=True); the
     interpreter gets one small descriptor config (the launcher forces a variant there)."""
-    if INTERPRET:
+    if interpret:
         return [triton.Config({"BLOCK_N": 16, "TMA": True}, num_warps=1, num_stages=1)]
     out = []
-    for tma, kernel in ((False, "fwd"), (True, "tma_fwd"), (True, "tma_fwd_plain")):
+    for kernel in ("fwd", "tma_fwd", "tma_fwd_plain"):
         tiles = {c for _, cs in _GPU_TILES[kernel, 90, 2].values() for c in cs}
-        out += [triton.Config({"BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, maxnreg=(reg or [None])[0])
-                for bn, w, s, *reg in sorted(tiles)]
+        out += [triton.Config({"BLOCK_N": bn, "TMA": kernel != "fwd"}, num_warps=w, num_stages=s,
+                              maxnreg=_MAXNREG.get(kernel)) for bn, w, s in sorted(tiles)]
     return out
 
 
@@ -78,12 +79,13 @@ def _prune(configs, named_args, **kwargs):
     if INTERPRET:
         return configs
     dtype, head_dim = named_args["p_q"].dtype, kwargs["HEAD_DIM"]
-    offered = {False: _tiles("fwd", dtype, head_dim)[1], True: _tiles("tma_fwd", dtype, head_dim)[1]}
-    plain = _GPU_TILES.get(("tma_fwd_plain", _arch_family(), dtype.itemsize), {}).get(_tile_dim(head_dim))
-    if plain and not (kwargs["LOCAL"] or kwargs["SOFTCAP"]):
-        offered[True] += plain[1]
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, *([c.maxnreg] if c.maxnreg else []))
-            in offered[c.kwargs["TMA"]]]
+    rows = ("fwd", "tma_fwd") + (() if kwargs["LOCAL"] or kwargs["SOFTCAP"] else ("tma_fwd_plain",))
+    offered = {(kernel != "fwd", bn, w, s, _MAXNREG.get(kernel))
+               for kernel in rows
+               for bn, w, s in _GPU_TILES.get((kernel, _arch_family(), dtype.itemsize), {}).get(
+                   _tile_dim(head_dim), (0, ()))[1]}
+    return [c for c in configs if (c.kwargs["TMA"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg)
+            in offered]
 
 
 @triton.jit

@@ -64,6 +64,8 @@ MATMUL_KERNELS = (
     "_varlen_attention_fwd_hopper_kernel",
 )
 B16 = ("float16", "bfloat16")
+# Kernels a launcher starts on one arch only (the rest compile on every arch in ARCHS).
+KERNEL_ARCHS = {"_varlen_attention_fwd_hopper_kernel": 90}  # (the descriptor forward: sm_90's TMA)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ EXPECTED_DOTS = {
     "_varlen_attention_fwd_kernel": {"b_s", "b_pv"},
     "_varlen_attention_bwd_dkdv_kernel": {"b_st", "b_dv", "b_dpt", "b_dk"},
     "_varlen_attention_bwd_dq_kernel": {"b_s", "b_dp", "b_dq"},
+    "_varlen_attention_fwd_hopper_kernel": {"b_s", "b_pv"},
 }
 
 _PTX = """
@@ -130,7 +131,7 @@ def test_every_kernel_compiles_fits_and_does_not_spill(arch, tmp_path):
     print(f"sm_{arch}: {len(records)} kernels compiled in {sum(r.compile_s for r in records):.0f} s\n"
           + aot.shapes_table(records) + "\n\n" + aot_model.summarize(records))
 
-    missing = set(aot.jit_kernels()) - {r.kernel for r in records}
+    missing = {k for k in aot.jit_kernels() if aot.KERNEL_ARCHS.get(k, arch) == arch} - {r.kernel for r in records}
     assert not missing, f"kernels never compiled (add a launch to aot_cases.cases): {sorted(missing)}"
     # The instruction reader found every dot of every 16-bit matmul kernel (else the per-dot rules
     # are void; fp32 instances move dP into _dot_f64 and may fuse CUDA-core products across lines).

@@ -61,8 +61,11 @@ MIN_WGMMA_N = 64
 # no tensor-core instruction computes: those dots are FMA by design.
 MATMUL_KERNELS = (
     "_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel", "_varlen_attention_bwd_dq_kernel",
+    "_varlen_attention_fwd_hopper_kernel",
 )
 B16 = ("float16", "bfloat16")
+# Kernels a launcher starts on one arch only (the rest compile on every arch in ARCHS).
+KERNEL_ARCHS = {"_varlen_attention_fwd_hopper_kernel": 90}  # (the descriptor forward: sm_90's TMA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,9 @@ EXCEPTIONS: Tuple[Allowed, ...] = (
             triton_below=(3, 7)),
     Allowed(_DKDV, 80, B16, ("spills",), "Triton 3.6 only: the 128 x 64 dK/dV tile at D = 16 spills 16 B",
             rows=(16,), triton_below=(3, 7)),
+    Allowed("_varlen_attention_fwd_hopper_kernel", 90, B16, ("spills",), "Triton 3.6 only: the descriptor "
+            "forward's 128-register tile (64 keys, 2 blocks per SM) spills 16 B causal (3.9: 0); offered since the "
+            "autotuner picks it only where it is faster", rows=(96, 128), triton_below=(3, 7)),
 )
 
 
@@ -187,7 +193,7 @@ class Record:
         return None if d is None else next((t for t in ATTN_HEAD_DIMS if t >= d), None)
 
 
-_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|num_warps|num_stages)$")
+_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|TMA|num_warps|num_stages)$")
 
 
 @contextlib.contextmanager

@@ -1,17 +1,21 @@
-"""GPU check of varlen_attention: correctness vs SDPA, TFLOP/s vs torch's varlen_attn and
-padded SDPA.
+"""GPU check of varlen_attention: correctness vs SDPA (and of the descriptor forward on ragged
+lengths), and forward / backward times vs torch's varlen_attn and flash-attn.
 
-bf16, causal, D=128, Hq=32, Hkv=8, one packed micro-batch of 65,536 tokens: an RL length
-mix (log-uniform 64..16,384) and fixed lengths 1k / 4k / 16k. FLOPs = 2*sum(L^2)*Hq*D
-forward, 2.5x that backward (3.5x for forward+backward). Peers: torch's
-``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside torch) where this
-torch has it, and ``scaled_dot_product_attention`` restricted to the flash backend on
-the padded [B, H, S, D] view (fixed lengths only: the RL mix padded to 16k would be ~9x
-the work). Also the work-list order on the RL mix: the Triton launchers called directly with
-``longest_first`` True and False (same path, no NaN bookkeeping), so the two rows differ only
-in the order.
-Budget: under 3 minutes (first call autotunes 4 configs x 3 kernels); cases past the
-budget are reported as skipped.
+bf16, causal, D=128, Hq=32, Hkv=8, one packed micro-batch of 65,536 tokens: an RL length mix
+(log-uniform 64..16,384) and fixed lengths 8k / 16k (``FIXED``). FLOPs = 2*sum(L^2)*Hq*D forward
+(causal), 2.5x that backward. Forward and backward are timed separately (the backward alone on a
+retained graph, ``torch.autograd.grad``), ours at ``deterministic`` False and True (the forward is the
+same kernel: timed once), plus the forward's load paths forced (``launch.fwd_triton``'s ``variant``:
+"pointer", today's kernel autotuned alone, and "tma", the descriptor kernel at its first tile; the op's
+default "auto" autotunes both, and its row notes the config it picked). Peers: torch's
+``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside torch) where this torch has it,
+flash-attn's ``flash_attn_varlen_func`` where importable, and ``scaled_dot_product_attention``
+restricted to the flash backend on the padded [B, H, S, D] view (fixed lengths only: the RL mix
+padded to 16k would be ~9x the work). Also the work-list order on the RL mix: the Triton launchers
+called directly with ``longest_first`` True and False (same path, no NaN bookkeeping), so the two
+rows differ only in the order.
+Budget: under 3 minutes (the first calls autotune and compile); cases past the budget are reported
+as skipped.
 """
 import inspect
 import math
@@ -21,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 import dapo_kernels as dk
-from dapo_kernels.ops.varlen_attention import launch
+from dapo_kernels.ops.varlen_attention import launch, triton_fwd_tma
 from gpu.common import cuda_time_ms
 
 T_TOTAL, HQ, HKV, D = 65536, 32, 8, 128
+FIXED = (8192, 16384)  # uniform sequence lengths timed beside the RL mix
 BUDGET_S = 170
 
 
@@ -59,6 +64,19 @@ def _torch_varlen():
     return call, "" if gqa else "KV heads expanded (no enable_gqa)"
 
 
+def _flash_attn():
+    """(callable or None, note) for flash-attn's varlen function (GQA native)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        return None, f"flash-attn not importable ({type(e).__name__})"
+
+    def call(q, k, v, cu, max_len):
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+
+    return call, ""
+
+
 def _padded_sdpa(B, S):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -71,9 +89,25 @@ def _padded_sdpa(B, S):
     return call
 
 
-def _dk(q, k, v, cu, max_len):
-    with dk.use_backend("triton"):
-        return dk.varlen_attention(q, k, v, cu, max_len)
+def _dk(deterministic: bool):
+    def call(q, k, v, cu, max_len):
+        with dk.use_backend("triton"):
+            return dk.varlen_attention(q, k, v, cu, max_len, deterministic=deterministic)
+
+    return call
+
+
+def _fwd_variant(variant: str):
+    """The Triton forward alone with its load path forced (no autograd: forward rows only)."""
+    return lambda q, k, v, cu, max_len: launch.fwd_triton(q, k, v, cu, max_len, True, D ** -0.5, -1, -1, 0.0,
+                                                          True, variant)[0]
+
+
+def _picked_config() -> str:
+    """The config the op's autotuner picked last for the Hopper forward (pointer or TMA), if it ran."""
+    kernel = triton_fwd_tma._varlen_attention_fwd_hopper_kernel
+    cfg = getattr(kernel, "best_config", None)
+    return "" if cfg is None else f"picked {cfg}"[:100]
 
 
 class _Launchers(torch.autograd.Function):
@@ -99,18 +133,17 @@ def _launchers(longest_first: bool):
     return lambda q, k, v, cu, max_len: _Launchers.apply(q, k, v, cu, max_len, longest_first)
 
 
-def _time(fn, q, k, v, cu, max_len, flops_fwd):
-    """(fwd ms, fwd TFLOP/s, fwd+bwd ms, fwd+bwd TFLOP/s)."""
+def _time(fn, q, k, v, cu, max_len, flops_fwd, backward=True):
+    """(fwd ms, bwd ms or None): the forward without autograd, the backward alone on a retained graph."""
     with torch.no_grad():
         ms_f = cuda_time_ms(lambda: fn(q, k, v, cu, max_len), warmup=2, iters=5)
+    if not backward:
+        return ms_f, None
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    dout = torch.randn_like(q)
-
-    def step():
-        fn(*leaves, cu, max_len).backward(dout)
-
-    ms_fb = cuda_time_ms(step, warmup=2, iters=5)
-    return ms_f, flops_fwd / ms_f / 1e9, ms_fb, 3.5 * flops_fwd / ms_fb / 1e9
+    out = fn(*leaves, cu, max_len)
+    dout = torch.randn_like(out)
+    ms_b = cuda_time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), warmup=2, iters=5)
+    return ms_f, ms_b
 
 
 def _check_correct(report, g):
@@ -128,11 +161,34 @@ def _check_correct(report, g):
 
     ref = fwd_bwd(_padded_sdpa_fp32(B, S), torch.float32)
     peer = fwd_bwd(_padded_sdpa(B, S), torch.bfloat16)
-    ours = fwd_bwd(_dk, torch.bfloat16)
+    ours = fwd_bwd(_dk(False), torch.bfloat16)
     for name, o, p, r in zip(("out", "dq", "dk", "dv"), ours, peer, ref):
         err, bound = (o - r).abs().max().item(), 2 * (p - r).abs().max().item()
         report.add("varlen_attn", f"correct B{B}-S{S} {name}", impl="dk triton bf16",
                    metric=f"err {err:.2e} <= 2x sdpa {bound:.2e}", status="ok" if err <= bound else "FAIL")
+
+
+def _check_forward_variants(report, g):
+    """Ragged lengths (partial blocks, a 1-token sequence): each forced forward's out against fp32 SDPA
+    per sequence, within 2x the pointer forward's error (the descriptor's out-of-bounds rows read 0)."""
+    lengths = [1000, 37, 1, 520, 77, 129]
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(T, h, D, device="cuda", generator=g, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
+    ref = torch.cat([F.scaled_dot_product_attention(
+        *(t[s:e].float().transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=True).transpose(0, 1)
+        for s, e in zip(cu.tolist()[:-1], cu.tolist()[1:])])
+    errs = {}
+    for variant in ("pointer", "tma", "auto"):
+        if variant == "tma" and not (triton_fwd_tma.INTERPRET or triton_fwd_tma.tma_offered(q, k, v, 90)):
+            report.add("varlen_attn", "correct ragged out", impl="dk fwd tma", status="skipped",
+                       note="no descriptor tile for these inputs on this GPU")
+            continue
+        errs[variant] = (_fwd_variant(variant)(q, k, v, cu, max(lengths)).float() - ref).abs().max().item()
+    for variant, err in errs.items():
+        bound = 2 * errs["pointer"]
+        report.add("varlen_attn", "correct ragged out", impl=f"dk fwd {variant}",
+                   metric=f"err {err:.2e} <= 2x pointer {bound:.2e}", status="ok" if err <= bound else "FAIL")
 
 
 def _padded_sdpa_fp32(B, S):
@@ -144,40 +200,57 @@ def _padded_sdpa_fp32(B, S):
     return call
 
 
+def _impls(name, lengths):
+    """(impl, fn, note, timed: "fwd+bwd" / "fwd" / "bwd") of one length mix, ours first."""
+    impls = [("dk det=False", _dk(False), "", "fwd+bwd"), ("dk det=True", _dk(True), "forward as det=False", "bwd"),
+             ("dk fwd pointer", _fwd_variant("pointer"), "today's kernel alone", "fwd"),
+             ("dk fwd tma", _fwd_variant("tma"), "descriptor kernel, first tile", "fwd")]
+    if name == "RL-mix":
+        impls.append(("dk launchers longest-first", _launchers(True), "launchers only", "fwd+bwd"))
+        impls.append(("dk launchers seq-order", _launchers(False), "launchers only, work list not sorted", "fwd+bwd"))
+    for impl, (fn, note) in (("torch varlen_attn", _torch_varlen()), ("flash-attn", _flash_attn())):
+        impls.append((impl, fn, note, "fwd+bwd"))
+    if name != "RL-mix":
+        impls.append(("padded SDPA flash", _padded_sdpa(len(lengths), lengths[0]), "KV expanded", "fwd+bwd"))
+    return impls
+
+
 def run(report):
     t0 = time.time()
     g = torch.Generator(device="cpu").manual_seed(0)
     gc = torch.Generator(device="cuda").manual_seed(0)
-    _check_correct(report, gc)
-    varlen_peer, varlen_note = _torch_varlen()
-    if varlen_peer is None:
-        report.add("varlen_attn", "peer", impl="torch varlen_attn", status="skipped", note=varlen_note)
-    mixes = [("RL-mix", _rl_mix(g))] + [(f"fixed-{n // 1024}k", [n] * (T_TOTAL // n)) for n in (1024, 4096, 16384)]
+    mixes = [("RL-mix", _rl_mix(g))] + [(f"fixed-{n}", [n] * (T_TOTAL // n)) for n in FIXED]
     for name, lengths in mixes:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         q, k, v = (torch.randn(T_TOTAL, h, D, device="cuda", dtype=torch.bfloat16, generator=gc)
                    for h in (HQ, HKV, HKV))
         flops = 2 * sum(L * L for L in lengths) * HQ * D
-        impls = [("dk triton LPT", _dk, "")]
-        if name == "RL-mix":
-            impls.append(("dk launchers longest-first", _launchers(True), "launchers only"))
-            impls.append(("dk launchers seq-order", _launchers(False), "launchers only, work list not sorted"))
-        if varlen_peer is not None:
-            impls.append(("torch varlen_attn", varlen_peer, varlen_note))
-        if name != "RL-mix":
-            impls.append(("padded SDPA flash", _padded_sdpa(len(lengths), lengths[0]), "KV expanded"))
         case = f"{name} B{len(lengths)} T{T_TOTAL}"
-        for impl, fn, note in impls:
+        for impl, fn, note, timed in _impls(name, lengths):
+            if fn is None:
+                report.add("varlen_attn", case, impl=impl, status="skipped", note=note)
+                continue
+            if impl == "dk fwd tma" and not (triton_fwd_tma.INTERPRET or triton_fwd_tma.tma_offered(q, k, v, 90)):
+                report.add("varlen_attn", case, impl=impl, status="skipped", note="no descriptor tile here")
+                continue
             if time.time() - t0 > BUDGET_S:
                 report.add("varlen_attn", case, impl=impl, status="skipped", note="time budget")
                 continue
             try:
-                ms_f, tf_f, ms_fb, tf_fb = _time(fn, q, k, v, cu, max(lengths), flops)
-                report.add("varlen_attn", case + " fwd", impl=impl, ms=ms_f, metric=f"{tf_f:.0f} TFLOP/s", note=note)
-                report.add("varlen_attn", case + " fwd+bwd", impl=impl, ms=ms_fb, metric=f"{tf_fb:.0f} TFLOP/s",
-                           note=note)
+                ms_f, ms_b = _time(fn, q, k, v, cu, max(lengths), flops, backward=timed != "fwd")
+                if "fwd" in timed:
+                    picked = _picked_config() if impl == "dk det=False" else ""
+                    report.add("varlen_attn", case + " fwd", impl=impl, ms=ms_f, metric=f"{flops / ms_f / 1e9:.0f} "
+                               "TFLOP/s", note=" ".join(x for x in (note, picked) if x))
+                if ms_b is not None:
+                    report.add("varlen_attn", case + " bwd", impl=impl, ms=ms_b,
+                               metric=f"{2.5 * flops / ms_b / 1e9:.0f} TFLOP/s", note=note)
             except Exception as e:  # a peer missing a backend must not hide the rest
                 report.add("varlen_attn", case, impl=impl, status="FAIL" if impl.startswith("dk") else "skipped",
                            note=f"{type(e).__name__}: {e}"[:100])
         del q, k, v
         torch.cuda.empty_cache()
+    # After the timings: the autotuners key on head dim and flags, not length, so the first call of a key
+    # picks its config for the rest of the process; the RL mix, not these small batches, should pick it.
+    _check_correct(report, gc)
+    _check_forward_variants(report, gc)

@@ -64,8 +64,8 @@ def _small():
                              num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, qkv_bias=True,
                              tie_word_embeddings=True, model_type="qwen2")
     return {
-        "varlen_attention": ({"(1024, 4096, 16384)": "(64, 128, 256)", "B, S = 16, 1024": "B, S = 2, 64"},
-                      dict(T_TOTAL=256, HQ=2, HKV=1, D=16)),
+        "varlen_attention": ({"B, S = 16, 1024": "B, S = 2, 64", "[1000, 37, 1, 520, 77, 129]": "[40, 7, 1, 33]"},
+                      dict(T_TOTAL=256, HQ=2, HKV=1, D=16, FIXED=(64, 128))),
         "group_filter": ({"4096": "256", "131072": "512"}, dict(SIZES=(256, 1024))),
         "fused_linear_policy_loss": ({}, dict(N=64, H=32, V=200, N_CHECK=16, B=4)),
         "model": ({"torch.randint(256, 2049, (16,))": "torch.randint(8, 33, (3,))",

@@ -9,7 +9,8 @@ from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
 from .._triton_utils import INTERPRET, cdiv
-from .tiles import _atomic_dq_offered, _block_d, _outer_block
+from .tiles import _GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _outer_block, _tile_dim
+from .triton_fwd_tma import _varlen_attention_fwd_hopper_kernel, ensure_allocator, tma_offered
 from .triton_kernels import (
     _varlen_attention_bwd_delta_kernel,
     _varlen_attention_bwd_dkdv_kernel,
@@ -79,24 +80,45 @@ def _mask_args(T: int, causal: bool, window_left: int, window_right: int, softma
     return (softmax_scale * _LOG2E, 1.0, left, right), dict(LOCAL=local, SOFTCAP=False)
 
 
+# The forward's load paths (fwd_triton's ``variant``): "auto" autotunes the descriptor (TMA) configs beside the
+# pointer ones where tma_offered, else runs the pointer kernel; "pointer" / "tma" force one (tests, benchmarks).
+FWD_VARIANTS = ("auto", "pointer", "tma")
+
+
 @register("varlen_attention_fwd", "triton")
 def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right, softcap,
-               longest_first: bool = True):
+               longest_first: bool = True, variant: str = "auto"):
     """``(out, base-2 lse)``; ``longest_first=False`` runs the work list in sequence order (for
-    benchmarks: the op always runs longest first)."""
+    benchmarks: the op always runs longest first). ``variant`` (FWD_VARIANTS): "tma" runs the descriptor
+    kernel alone with its first tile (the interpreter's 16-key config there), for 16-bit inputs where
+    the GPU's tables have a row for it (any in the interpreter)."""
+    if variant not in FWD_VARIANTS:
+        raise ValueError(f"variant must be one of {FWD_VARIANTS}, got {variant!r}")
     q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
+    if variant == "tma" and (q.dtype == torch.float32 or not (INTERPRET or tma_offered(q, k, v, _arch_family()))):
+        raise ValueError(f"variant='tma' has no tile for {q.dtype} inputs at D={D} on this GPU (or they are not "
+                         "16-byte aligned)")
     if T == 0:
         return out, lse
     block = _outer_block("fwd", q.dtype, D)
     work = _work_list(cu_seqlens, T, block, causal, False, longest_first)
     scalars, flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
-    _varlen_attention_fwd_kernel[(work.shape[0] * Hq,)](
-        q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], *scalars,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype),
-    )
+    args = (q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], *scalars)
+    meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
+    grid = (work.shape[0] * Hq,)
+    if variant == "tma":
+        ensure_allocator()
+        bn, warps, stages = (16, 1, 1) if INTERPRET else _GPU_TILES["tma_fwd", 90, 2][_tile_dim(D)][1][0]
+        _varlen_attention_fwd_hopper_kernel.fn[grid](*args, **meta, BLOCK_N=bn, TMA=True, num_warps=warps,
+                                                     num_stages=stages)
+    elif variant == "auto" and not INTERPRET and tma_offered(q, k, v, _arch_family()):
+        ensure_allocator()
+        _varlen_attention_fwd_hopper_kernel[grid](*args, **meta)
+    else:
+        _varlen_attention_fwd_kernel[grid](*args, **meta)
     return out, lse
 
 

@@ -41,6 +41,14 @@ _GPU_TILES = {
     ("fwd", 90, 2): {**dict.fromkeys((16, 32), _SMALL_D), 64: (128, ((64, 8, 3), (128, 8, 3))),
                      96: (128, ((64, 8, 3),)), 128: (128, ((64, 8, 3), (128, 8, 2))),  # (128 keys: D=96 spilled)
                      256: (64, ((16, 8, 3), (32, 8, 3)))},
+    # The descriptor (TMA) forward on Hopper (triton_fwd_tma.py), autotuned beside the "fwd" row's configs;
+    # its outer block is the "fwd" row's (the work list is built before the autotuner picks).
+    # (128 keys at 3 stages: D = 128 window + softcap spilled 64 B.)
+    ("tma_fwd", 90, 2): {64: (128, ((64, 8, 3), (64, 8, 4), (128, 8, 3))),
+                         **dict.fromkeys((96, 128), (128, ((64, 8, 3), (64, 8, 4), (64, 8, 5), (128, 8, 2))))},
+    # Offered only without window and softcap, capped at TMA_FWD_PLAIN_MAXNREG registers (2 blocks per SM):
+    # spill-free plain; with softcap or a window it spilled 80-88 B.
+    ("tma_fwd_plain", 90, 2): dict.fromkeys((96, 128), (128, ((64, 8, 2),))),
     ("fwd", 80, 2): {16: _SMALL_D, 32: (128, ((32, 4, 3), (64, 8, 3))), 64: (128, ((64, 8, 3),)),
                      **dict.fromkeys((96, 128), (128, ((32, 8, 3),))), 256: (64, ((16, 8, 3), (32, 8, 3)))},
     ("dkdv", 90, 2): {**_F16_DKDV, **_F16_DKDV_90},
@@ -64,6 +72,7 @@ _GPU_TILES = {
     ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
     ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
+TMA_FWD_PLAIN_MAXNREG = 128  # (maxnreg of the "tma_fwd_plain" configs: 128 x 256 threads = half an SM's registers)
 # The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
 TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 _ARCH_FAMILY = {}

@@ -8,6 +8,7 @@ import triton.language as tl
 from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
+from .lse import lse_dtype
 from .._triton_utils import INTERPRET, cdiv
 from .tiles import _atomic_dq_offered, _block_d, _outer_block
 from .triton_kernels import (
@@ -87,7 +88,7 @@ def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
-    lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
+    lse = empty_output((Hq, T), dtype=lse_dtype(q.dtype), device=q.device)
     if T == 0:
         return out, lse
     block = _outer_block("fwd", q.dtype, D)

@@ -21,6 +21,7 @@ import torch
 from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
+from .lse import lse_dtype
 
 # Sequences whose lengths differ by less than this factor share one padded SDPA call
 # (padding costs at most this factor in length; fewer, bigger calls).
@@ -179,7 +180,7 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     # Natural-log lse, the unit torch's CPU kernels produce and consume: converting would add
     # an fp32 rounding of a value ~10 to every probability the backward recomputes.
-    lse_nat = empty_output((T, Hq), dtype=torch.float32, device=q.device)
+    lse_nat = empty_output((T, Hq), dtype=lse_dtype(q.dtype), device=q.device)
     plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
         if plain:
@@ -200,7 +201,7 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     # ``deterministic`` selects the Triton backward's dQ path; torch's CPU kernels have one.
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    lse_nat = lse.t()
+    lse_nat = lse.t().float()  # torch's kernel takes float32 (the fp64 lse of fp32 inputs holds its float32 one)
     math_dtype = _math_dtype(q.dtype)  # (of the inputs' own dtype, before the fp32 copies below)
     if q.dtype in _LOW_PRECISION:
         # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's dK/dV in

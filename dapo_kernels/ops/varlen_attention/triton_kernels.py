@@ -78,9 +78,9 @@ def _exp2_shifted(b_s, b_t, qk_scale, b_lse, SOFTCAP: tl.constexpr):
     pair hi + lo: scores - hi is exact where P matters (Sterbenz), so an fp32 lse's rounding (ulp(72) / 2 in
     base 2 under softcap 50) does not reach every P of the row. +-inf / NaN lse: lo = 0, P as before."""
     if b_lse.dtype == tl.float64:
-        b_hi = b_lse.to(tl.float32)
-        b_lo = tl.where(tl.abs(b_hi) < float("inf"), (b_lse - b_hi.to(tl.float64)).to(tl.float32), 0.0)
-        return tl.exp2(_shifted(b_s, b_t, qk_scale, b_hi, SOFTCAP) - b_lo)
+        b_fin = tl.where(tl.abs(b_lse) < float("inf"), b_lse, 0.0)  # (no inf - inf for lo)
+        b_lo = (b_fin - b_fin.to(tl.float32).to(tl.float64)).to(tl.float32)
+        return tl.exp2(_shifted(b_s, b_t, qk_scale, b_lse.to(tl.float32), SOFTCAP) - b_lo)
     else:
         return tl.exp2(_shifted(b_s, b_t, qk_scale, b_lse, SOFTCAP))
 

@@ -6,9 +6,11 @@ matmuls, the kernels' tanh polynomial, base-2 scores) and reports dV / dK error 
 multiple of plain fp32 torch's, for each way of keeping the lse (issue 31, "Precision"):
 
 * ``fp32-lse``: the lse rounded to fp32 in base-2 units, subtracted from recomputed base-2 scores;
-* ``fp64-lse``: the lse kept in fp64 (a hi + lo fp32 pair in the kernels), subtracted in two steps.
+* ``fp64-lse``: the lse kept in fp64 (a hi + lo fp32 pair in the kernels), subtracted in two steps;
+* ``natural``: as ``fp64-lse`` with natural-unit scores (softcap * tanh), scaled by log2(e) after the
+  lse is subtracted (an alternative not taken: it changes the forward too, for little).
 
-Usage: python benchmarks/emulate_varlen_attention_softcap.py [--seeds 12]
+Usage: python benchmarks/emulate_varlen_attention_softcap.py [--first 0] [--seeds 12]
 """
 from __future__ import annotations
 
@@ -39,16 +41,21 @@ def _f32(x: float) -> torch.Tensor:
 
 def kernel_emulation(q, k, v, dout, scale, softcap, lse_mode):
     """(dk, dv) of one causal sequence [H, L, D] the way the Triton kernels compute them in fp32."""
-    qk_scale, cap = _f32(scale / softcap), _f32(softcap * LOG2E)
+    natural = lse_mode == "natural"
+    qk_scale, cap, log2e = _f32(scale / softcap), _f32(softcap if natural else softcap * LOG2E), _f32(LOG2E)
     L = q.shape[1]
     hidden = torch.ones(L, L, dtype=torch.bool).triu(1)
     t = _tanh32((q @ k.transpose(1, 2)) * qk_scale)
-    s2 = (cap * t).masked_fill(hidden, float("-inf"))          # base-2 scores
+    s2 = (cap * t).masked_fill(hidden, float("-inf"))          # base-2 scores (natural: natural-unit ones)
     m = s2.amax(-1, keepdim=True)
-    p_fwd = torch.exp2(s2 - m)
+    p_fwd = torch.exp2((s2 - m) * log2e) if natural else torch.exp2(s2 - m)
     l = p_fwd.sum(-1, keepdim=True)
     out = (p_fwd @ v) / l
-    if lse_mode == "fp32-lse":
+    if natural:
+        lse64 = m.double() + torch.log(l.double())
+        hi = lse64.float()
+        p = torch.exp2(((s2 - hi) - (lse64 - hi.double()).float()) * log2e)
+    elif lse_mode == "fp32-lse":
         lse = m + torch.log2(l)
         p = torch.exp2(s2 - lse)
     else:  # fp64 lse: hi + lo pair, the large parts cancel exactly (Sterbenz) where p matters
@@ -75,6 +82,9 @@ def torch_plain(q, k, v, dout, scale, softcap, dtype):
     return dk, dv
 
 
+MODES = ("fp32-lse", "fp64-lse", "natural")
+
+
 def ratios(seed, T=40, H=4, D=64, q_mult=50.0, softcap=50.0):
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(H, T, D, generator=g) for _ in range(4))
@@ -84,7 +94,7 @@ def ratios(seed, T=40, H=4, D=64, q_mult=50.0, softcap=50.0):
     plain = torch_plain(q, k, v, dout, scale, softcap, torch.float32)
     err = lambda a, b: (a.double() - b).abs().max().item()  # noqa: E731
     row = {}
-    for mode in ("fp32-lse", "fp64-lse"):
+    for mode in MODES:
         got = kernel_emulation(q, k, v, dout, scale, softcap, mode)
         row[mode] = tuple(err(x, r) / err(y, r) for x, y, r in zip(got, plain, ref))
     return row
@@ -92,16 +102,18 @@ def ratios(seed, T=40, H=4, D=64, q_mult=50.0, softcap=50.0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--seeds", type=int, default=12)
     args = ap.parse_args()
-    print("seed  fp32-lse dK/torch dV/torch   fp64-lse dK/torch dV/torch")
-    worst = {"fp32-lse": [0.0, 0.0], "fp64-lse": [0.0, 0.0]}
-    for seed in range(args.seeds):
+    print("seed  " + "   ".join(f"{m:>8} dK/torch dV/torch" for m in MODES))
+    rows = []
+    for seed in range(args.first, args.first + args.seeds):
         row = ratios(seed)
-        print(f"{seed:4d}  " + "   ".join(f"{row[m][0]:16.2f} {row[m][1]:8.2f}" for m in row))
-        for m in row:
-            worst[m] = [max(a, b) for a, b in zip(worst[m], row[m])]
-    print("max   " + "   ".join(f"{worst[m][0]:16.2f} {worst[m][1]:8.2f}" for m in worst))
+        rows.append([row[m] for m in MODES])
+        print(f"{seed:4d}  " + "   ".join(f"{row[m][0]:17.2f} {row[m][1]:8.2f}" for m in MODES))
+    t = torch.tensor(rows)  # [seeds, modes, (dK, dV)]
+    for label, x in (("max", t.max(0).values), ("median", t.median(0).values), ("n > 2", (t > 2).sum(0))):
+        print(f"{label:6s}" + "   ".join(f"{float(a):17.2f} {float(b):8.2f}" for a, b in x.tolist()))
 
 
 if __name__ == "__main__":

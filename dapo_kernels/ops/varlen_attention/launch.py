@@ -8,8 +8,8 @@ import triton.language as tl
 from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
-from .lse import lse_dtype
 from .._triton_utils import INTERPRET, cdiv
+from .lse import lse_dtype
 from .tiles import _atomic_dq_offered, _block_d, _outer_block
 from .triton_kernels import (
     _varlen_attention_bwd_delta_kernel,

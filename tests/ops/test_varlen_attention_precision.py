@@ -1,6 +1,6 @@
 """varlen_attention in fp32 where flash-attn's own test suite found it least accurate (issue 31):
 soft-capped scores far past the cap (the backward's probabilities recomputed from a saved lse ~50-72),
-and, on the torch path, plain attention at a head dim torch's CPU flash kernel rounds poorly.
+and, on the torch path, plain attention, whose dQ torch's CPU flash backward rounds poorly.
 
 The tolerance is the project rule (tests/tolerance.py): at most 2x plain torch's own error in fp32
 against float64.

@@ -10,6 +10,7 @@ The package, one concern per module (imports go down this list, never up):
 * this file: the public function and its validation;
 * :mod:`.op`: the custom ops ``dapo::varlen_attention_fwd`` / ``_bwd`` (fake kernels, autograd);
 * :mod:`.nan`: which output rows a non-finite input reaches (the ops mark them NaN);
+* :mod:`.lse`: the dtype of the ops' lse (float64 for float32 inputs);
 * :mod:`.torch_path`: the ``torch`` backend (CPU default): length buckets of padded views through
   torch's fused CPU flash kernel;
 * :mod:`.launch`: the ``triton`` backend (CUDA default): launchers over work lists of (sequence,
@@ -146,4 +147,4 @@ def varlen_attention(
     # triton is forced, and its lse is natural.
     triton_ran = current_backend(q.device) == "triton" and not backend_kernel_serves(
         "dapo::varlen_attention_fwd", q.device)
-    return out, (lse * _LN2 if triton_ran else lse)
+    return out, (lse * _LN2 if triton_ran else lse).float()

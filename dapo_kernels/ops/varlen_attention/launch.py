@@ -9,6 +9,7 @@ from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
 from .._triton_utils import INTERPRET, cdiv
+from .lse import lse_dtype
 from .tiles import _GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _outer_block, _tile_dim
 from .triton_fwd_tma import _varlen_attention_fwd_hopper_kernel, ensure_allocator, tma_offered
 from .triton_kernels import (
@@ -97,7 +98,7 @@ def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     q, k, v, cu_seqlens = (t.contiguous() for t in (q, k, v, cu_seqlens))  # the kernels address them as dense
     T, Hq, D = q.shape
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
-    lse = empty_output((Hq, T), dtype=torch.float32, device=q.device)
+    lse = empty_output((Hq, T), dtype=lse_dtype(q.dtype), device=q.device)
     if variant == "tma" and (q.dtype == torch.float32 or not (INTERPRET or tma_offered(q, k, v, _arch_family()))):
         raise ValueError(f"variant='tma' has no tile for {q.dtype} inputs at D={D} on this GPU (or they are not "
                          "16-byte aligned)")

@@ -6,8 +6,9 @@ from typing import Tuple
 
 import torch
 
-from ..._registry import current_backend, dispatch, use_backend
+from ..._registry import backend_kernel_serves, current_backend, dispatch, use_backend
 from . import launch, torch_path  # noqa: F401  (register the triton and torch backends)
+from .lse import lse_dtype
 from .nan import poisoned_grads, poisoned_queries
 
 
@@ -17,10 +18,11 @@ def _varlen_attention_fwd(
     max_seqlen: int, causal: bool, softmax_scale: float, window_left: int = -1, window_right: int = -1,
     softcap: float = 0.0, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, Hq, D], lse float32 [Hq, T])`` on validated, contiguous inputs.
+    """``(out [T, Hq, D], lse [Hq, T])`` on validated, contiguous inputs; ``lse`` is float64 for
+    float32 inputs, else float32 (:mod:`.lse`; an out-of-tree kernel's is float32).
 
     ``lse`` is in the unit of the kernel that ran, the one its backward recomputes
-    probabilities in, so it is rounded to fp32 exactly once: base 2 (``lse / ln 2``) for
+    probabilities in, so it is rounded exactly once: base 2 (``lse / ln 2``) for
     Triton, natural log for the torch path (torch's CPU kernels) and for out-of-tree kernels
     (e.g. npu_ops, which run whatever backend is forced). The public function converts to
     natural log; autograd runs the backward on the forward's backend, with ``deterministic``
@@ -41,7 +43,10 @@ def _varlen_attention_fwd(
 @_varlen_attention_fwd.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
       deterministic=True):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    # An out-of-tree kernel (registered on the device's key, bypassing this op's body) returns float32.
+    out_of_tree = backend_kernel_serves("dapo::varlen_attention_fwd", q.device)
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]),
+                                            dtype=torch.float32 if out_of_tree else lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("dapo::varlen_attention_bwd", mutates_args=())

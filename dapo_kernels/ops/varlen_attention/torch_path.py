@@ -7,9 +7,10 @@ over sequences (timings against a per-sequence loop and one padded call: NOTES.m
 natural log units, the unit these kernels produce and consume. The backward of 16-bit inputs runs
 in float32 (see :func:`_bwd_torch`).
 
-A sliding window or soft-capping (which torch's fused kernel does not have) takes the same buckets
-through plain softmax attention instead (fp32; fp64 for fp32 inputs, see _MATH_DTYPES), query rows
-in chunks so the score tile stays bounded (:func:`_fwd_math` / :func:`_bwd_math`).
+A sliding window or soft-capping (which torch's fused kernel does not have), and the backward of fp32
+inputs (whose dQ torch's fused backward rounds poorly), take the same buckets through plain softmax
+attention instead (fp32; fp64 for fp32 inputs, see _MATH_DTYPES), query rows in chunks so the score
+tile stays bounded (:func:`_fwd_math` / :func:`_bwd_math`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
+from .lse import lse_dtype
 
 # Sequences whose lengths differ by less than this factor share one padded SDPA call
 # (padding costs at most this factor in length; fewer, bigger calls).
@@ -179,7 +181,7 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     out = empty_output(q.shape, dtype=q.dtype, device=q.device)
     # Natural-log lse, the unit torch's CPU kernels produce and consume: converting would add
     # an fp32 rounding of a value ~10 to every probability the backward recomputes.
-    lse_nat = empty_output((T, Hq), dtype=torch.float32, device=q.device)
+    lse_nat = empty_output((T, Hq), dtype=lse_dtype(q.dtype), device=q.device)
     plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
         if plain:
@@ -200,16 +202,18 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     # ``deterministic`` selects the Triton backward's dQ path; torch's CPU kernels have one.
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    lse_nat = lse.t()
+    lse_nat = lse.t()  # (float32: only 16-bit inputs' backward reads it)
     math_dtype = _math_dtype(q.dtype)  # (of the inputs' own dtype, before the fp32 copies below)
+    # fp32 inputs take the fp64 math path: torch's CPU flash backward gave their dQ up to 3.5x plain fp32
+    # torch's error (NOTES.md, "Torch path"); only 16-bit inputs (on fp32 copies) use it.
+    fused = _plain(window_left, window_right, softcap, causal) and q.dtype in _LOW_PRECISION
     if q.dtype in _LOW_PRECISION:
         # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's dK/dV in
         # 16 bits), beyond flash-attn's 3x rule; on fp32 copies each gradient is rounded once, in
         # _unpad_into, and it runs faster (NOTES.md, "Torch path").
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
-    plain = _plain(window_left, window_right, softcap, causal)
     for gather, valid, rows, slots in _length_buckets(cu_seqlens, T):
-        if plain:
+        if fused:
             # Padding rows get dO = 0 and lse = +inf, so their probabilities are exactly 0 and
             # they add nothing to dK/dV; padding slots' own gradients are dropped.
             bucket_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

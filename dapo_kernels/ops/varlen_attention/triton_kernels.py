@@ -3,7 +3,8 @@ preprocess, dK/dV (optionally with dQ by atomics) and dQ.
 
 Names follow FLA: ``p_`` pointers, ``o_`` offsets, ``m_`` masks, ``b_`` block (register) tensors,
 ``i_`` program indices. Scores and lse are in base-2 units throughout (one MUFU ex2 per exponential;
-the softmax scale arrives folded with log2(e)). The launchers are in :mod:`.launch`.
+the softmax scale arrives folded with log2(e)); the lse is fp64 for fp32 inputs (see ``_exp2_shifted``).
+The launchers are in :mod:`.launch`.
 """
 from __future__ import annotations
 
@@ -69,6 +70,19 @@ def _shifted(b_s, b_t, qk_scale, b_shift, SOFTCAP: tl.constexpr):
         return b_s - b_shift
     else:
         return tl.fma(b_t, qk_scale, -b_shift)
+
+
+@triton.jit
+def _exp2_shifted(b_s, b_t, qk_scale, b_lse, SOFTCAP: tl.constexpr):
+    """exp2(scores - lse): the backward's probabilities. An fp64 lse (fp32 inputs) is subtracted as an fp32
+    pair hi + lo: scores - hi is exact where P matters (Sterbenz), so an fp32 lse's rounding (ulp(72) / 2 in
+    base 2 under softcap 50) does not reach every P of the row. +-inf / NaN lse: lo = 0, P as before."""
+    if b_lse.dtype == tl.float64:
+        b_fin = tl.where(tl.abs(b_lse) < float("inf"), b_lse, 0.0)  # (no inf - inf for lo)
+        b_lo = (b_fin - b_fin.to(tl.float32).to(tl.float64)).to(tl.float32)
+        return tl.exp2(_shifted(b_s, b_t, qk_scale, b_lse.to(tl.float32), SOFTCAP) - b_lo)
+    else:
+        return tl.exp2(_shifted(b_s, b_t, qk_scale, b_lse, SOFTCAP))
 
 
 @triton.jit
@@ -246,8 +260,13 @@ def _varlen_attention_fwd_kernel(
     b_o = b_acc / b_l_safe[:, None]
     _store_rows(p_o + (bos + i_m * BLOCK_M) * stride_q + i_h * HEAD_DIM, L - i_m * BLOCK_M, stride_q,
                 _cast(b_o, p_o.dtype.element_ty, INTERPRET), BLOCK_M, HEAD_DIM, BLOCK_D)
-    # Base-2 lse, the units the backward recomputes P in (the public function converts).
-    b_lse = tl.where(b_l == 0.0, float("-inf"), b_m + tl.log2(b_l_safe))
+    # Base-2 lse, the units the backward recomputes P in (the public function converts); into an fp64
+    # p_lse (fp32 inputs) the sum is not rounded to fp32 (see _exp2_shifted).
+    if p_lse.dtype.element_ty == tl.float64:
+        b_lse = b_m.to(tl.float64) + tl.log2(b_l_safe).to(tl.float64)
+    else:
+        b_lse = b_m + tl.log2(b_l_safe)
+    b_lse = tl.where(b_l == 0.0, float("-inf"), b_lse)
     tl.store(p_lse + i_h.to(tl.int64) * T + bos + o_m, b_lse, mask=m_row)
 
 
@@ -295,7 +314,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
         b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
         b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
-        b_pt = tl.exp2(_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP))
+        b_pt = _exp2_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP)
         if MASK_WINDOW:
             m_att = _in_window(o_m32[None, :], o_n[:, None], win_left, win_right)
         else:
@@ -416,7 +435,7 @@ def _dq_inner(b_dq, b_q, b_do, p_do, stride_q, b_lse, b_delta, p_k, p_v, stride_
         if MASK_CAUSAL or MASK_WINDOW:
             b_k, b_v = _finite_or_zero(b_k), _finite_or_zero(b_v)
         b_s, b_t = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
-        b_p = tl.exp2(_shifted(b_s, b_t, qk_scale, b_lse[:, None], SOFTCAP))
+        b_p = _exp2_shifted(b_s, b_t, qk_scale, b_lse[:, None], SOFTCAP)
         if MASK_WINDOW:
             b_p = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L), b_p, 0.0)
         elif MASK_CAUSAL:

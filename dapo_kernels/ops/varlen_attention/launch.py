@@ -3,13 +3,14 @@ the work lists they run over."""
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
 from .._triton_utils import INTERPRET, cdiv
-from .tiles import _atomic_dq_offered, _block_d, _finite_qdo, _outer_block
+from .tiles import _atomic_dq_offered, _block_d, _dkdv_tma, _outer_block
 from .triton_kernels import (
     _varlen_attention_bwd_delta_kernel,
     _varlen_attention_bwd_dkdv_kernel,
@@ -100,6 +101,19 @@ def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     return out, lse
 
 
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors take global scratch (128 B each), which Triton asks of the
+    allocator set with ``triton.set_allocator`` (a context variable: per thread, and autograd runs the
+    backward on its own): set one where none is, keep the caller's otherwise."""
+    from triton.runtime import _allocation
+    if not INTERPRET and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
 def _launch_delta(out: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, finite_qdo: bool):
     """``(delta, q, dout)``; with ``finite_qdo`` the q and dout returned are copies whose non-finite
     entries read 0 (for the dK/dV kernel's FINITE_QDO)."""
@@ -127,9 +141,13 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     if T == 0:
         return dq, dk, dv
     (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
-    # Masked dK/dV steps read non-finite q / dO as 0: from copies (FINITE_QDO) where the tile table says so.
-    finite_qdo = (causal or flags["LOCAL"]) and _finite_qdo(q.dtype, D)
+    # TMA form of dK/dV (tiles._dkdv_tma): masked steps read q / dO copies with non-finite entries zeroed,
+    # also made where q / dO are not 16-byte aligned (descriptor bases must be).
+    tma = _dkdv_tma(q.dtype, D)
+    finite_qdo = tma and (causal or flags["LOCAL"] or q.data_ptr() % 16 != 0 or dout.data_ptr() % 16 != 0)
     delta, q_f, do_f = _launch_delta(out, dout, q, finite_qdo)
+    if tma:
+        _ensure_allocator()
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
     meta["DP_F64"] = _DELTA_DTYPES[q.dtype] is torch.float64
     scales = (qk_scale, softmax_scale, *masking)
@@ -141,7 +159,7 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     work_kv = _work_list(cu_seqlens, T, block, causal, True, longest_first)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
         q_f, k, v, do_f, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,
-        ATOMIC_DQ=atomic, FINITE_QDO=finite_qdo, **meta,
+        ATOMIC_DQ=atomic, FINITE_QDO=finite_qdo, TMA=tma, **meta,
     )
     if atomic:
         return (dq if dq_acc is dq else dq.copy_(dq_acc)), dk, dv

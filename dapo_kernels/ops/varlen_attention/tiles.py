@@ -64,8 +64,8 @@ _GPU_TILES = {
     ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
     ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
-# (arch family, element size): the dK/dV rows whose tiles fit only with FINITE_QDO (see _finite_qdo).
-_FINITE_QDO_ROWS = {(90, 2): (96, 128)}
+# (arch family, element size): the dK/dV rows whose tiles fit only in the TMA form (see _dkdv_tma).
+_DKDV_TMA_ROWS = {(90, 2): (96, 128)}
 # The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
 TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 _ARCH_FAMILY = {}
@@ -123,13 +123,14 @@ def _atomic_dq_offered(dtype: torch.dtype, head_dim: int) -> bool:
     return INTERPRET or _tile_dim(head_dim) in _GPU_TILES["dkdv_dq", _arch_family(), dtype.itemsize]
 
 
-def _finite_qdo(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the dK/dV kernel's masked (causal / window) steps read q / dO from copies with non-finite
-    entries zeroed (FINITE_QDO) instead of zeroing them in registers: where its offered tiles need that
-    to fit (_FINITE_QDO_ROWS); in the interpreter for 16-bit inputs, so CPU tests run both forms."""
+def _dkdv_tma(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the dK/dV kernel loads q / dO (and adds dQ) through tensor descriptors, its causal steps
+    one masked loop reading q / dO copies with non-finite entries zeroed (TMA, FINITE_QDO): where its
+    offered tiles need that to fit (_DKDV_TMA_ROWS); in the interpreter for 16-bit inputs, so CPU tests
+    run both forms."""
     if INTERPRET:
         return dtype.itemsize == 2
-    return _tile_dim(head_dim) in _FINITE_QDO_ROWS.get((_arch_family(), dtype.itemsize), ())
+    return _tile_dim(head_dim) in _DKDV_TMA_ROWS.get((_arch_family(), dtype.itemsize), ())
 
 
 def _block_d(head_dim: int) -> int:

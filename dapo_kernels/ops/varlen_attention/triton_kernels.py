@@ -110,6 +110,14 @@ def _store_rows(p_base, n_rows, stride, b_x, BLOCK_R: tl.constexpr, HEAD_DIM: tl
 
 
 @triton.jit
+def _rows_desc(p_base, n_rows, stride, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tensor descriptor of the ``[n_rows, HEAD_DIM]`` rows ``p_base + r * stride`` in ``[BLOCK_R, BLOCK_D]``
+    blocks (reads past its bounds give 0, writes there are dropped). ``p_base`` and ``stride`` 16-byte aligned."""
+    return tl.make_tensor_descriptor(p_base, shape=[n_rows, HEAD_DIM], strides=[stride, 1],
+                                     block_shape=[BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def _in_window(o_q, o_k, win_left, win_right):
     """Sliding window (flash-attn's window_size within one sequence): query i sees key j iff
     i - left <= j <= i + right (causal: right = 0; unbounded sides arrive as >= the length)."""
@@ -279,7 +287,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
                 qk_scale, sm_scale, cap, win_left, win_right, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr,
                 PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, FINITE_QDO: tl.constexpr,
-                MASK_CAUSAL: tl.constexpr = False, MASK_WINDOW: tl.constexpr = False):
+                TMA: tl.constexpr, MASK_CAUSAL: tl.constexpr = False, MASK_WINDOW: tl.constexpr = False):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
@@ -295,8 +303,12 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
         o_m = o_m32.to(tl.int64)
         m_row = o_m32 < L32
         m_q = m_row[:, None] & m_d[None, :]
-        b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
-        b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
+        if TMA:  # (p_q, p_do: descriptors of the head's rows [0, L): rows past L read 0)
+            b_q = p_q.load([start, 0]).to(DOT_T)
+            b_do = p_do.load([start, 0]).to(DOT_T)
+        else:
+            b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
+            b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
         if (MASK_CAUSAL or MASK_WINDOW) and not FINITE_QDO:  # (FINITE_QDO: zeroed by the delta kernel)
             b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
         b_lse = tl.load(p_lse + o_m32, mask=m_row, other=float("inf"))
@@ -308,7 +320,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             m_att = o_m32[None, :] >= o_n[:, None]
         if MASK_CAUSAL or MASK_WINDOW:
             b_pt = tl.where(m_att, b_pt, 0.0)
-        b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
+        b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)  # (q, k, v, dO: one dtype)
         # delta loaded here, not with lse: held across the S^T and dV products it took registers (spills).
         b_delta = tl.load(p_delta + o_m32, mask=m_row, other=0.0)
         if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
@@ -322,11 +334,14 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
         # attended P that underflowed to 0 then drops a non-finite dP too, whose inputs nan.py marks anyway.
         if MASK_CAUSAL or MASK_WINDOW:
             b_dst = tl.where(b_pt != 0.0, b_dst, 0.0)
-        b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
+        b_dst = _cast(b_dst, p_v.dtype.element_ty, INTERPRET).to(DOT_T)
         b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
         if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
             b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
-            tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
+            if TMA and not INTERPRET:  # (the interpreter has no descriptor atomics: p_dq stays a pointer)
+                p_dq.atomic_add([start, 0], b_dq)
+            else:
+                tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
 
 
@@ -342,6 +357,7 @@ def _varlen_attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, FINITE_QDO: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dK, dV of one (key block, KV head): loops over the GROUP query heads sharing the KV
     head and over their query blocks, summing in registers; one writer per element, so
@@ -378,6 +394,11 @@ def _varlen_attention_bwd_dkdv_kernel(
         p_vh = p_v + bos * stride_kv + i_hk * HEAD_DIM
         p_deltah = p_delta + i_h * T + bos
         p_dqh = p_dq + bos * stride_q + i_h * HEAD_DIM
+        if TMA:  # tensor descriptors (TMA loads into shared memory): no per-element addresses in registers
+            p_qh = _rows_desc(p_qh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
+            p_doh = _rows_desc(p_doh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
+            if ATOMIC_DQ and not INTERPRET:
+                p_dqh = _rows_desc(p_dqh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
         if LOCAL:  # sliding window: the queries that see some key of the block, all masked
             w_lo, w_hi = _window_range(i_n.to(tl.int32) * BLOCK_N, BLOCK_N, win_right, win_left, L32)
             b_dk, b_dv = _dkdv_inner(
@@ -385,7 +406,7 @@ def _varlen_attention_bwd_dkdv_kernel(
                 lo=w_lo, hi=w_hi, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                 BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                FINITE_QDO=FINITE_QDO, MASK_WINDOW=True)
+                FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_WINDOW=True)
         else:
             # Causal: the diagonal's masked steps [lo, mid), then [mid, L). FINITE_QDO: one masked loop over
             # [lo, L) instead; as two loops the wide tiles spilled (NOTES.md, "Hopper retiling").
@@ -395,20 +416,25 @@ def _varlen_attention_bwd_dkdv_kernel(
                     lo=lo, hi=L32 if FINITE_QDO else mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap,
                     win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
                     BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                    FINITE_QDO=FINITE_QDO, MASK_CAUSAL=True)
+                    FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_CAUSAL=True)
             if not (IS_CAUSAL and FINITE_QDO):
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                     lo=mid, hi=L32, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                     win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                     BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                    FINITE_QDO=FINITE_QDO)
-    o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
-    n_rows = L - i_n * BLOCK_N
-    _store_rows(p_dk + o_tile, n_rows, stride_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET),
-                BLOCK_N, HEAD_DIM, BLOCK_D)
-    _store_rows(p_dv + o_tile, n_rows, stride_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET),
-                BLOCK_N, HEAD_DIM, BLOCK_D)
+                    FINITE_QDO=FINITE_QDO, TMA=TMA)
+    b_dk = _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET)
+    b_dv = _cast(b_dv, p_dv.dtype.element_ty, INTERPRET)
+    if TMA:  # (the prologue's scalars, held across the loops, spilled: read again from the work list)
+        _, i_hk, i_n, bos, L, _, _, _, _ = _program_block(p_work, p_cu, Hkv, BLOCK_N, HEAD_DIM, BLOCK_D)
+        o_head = bos * stride_kv + i_hk * HEAD_DIM
+        _rows_desc(p_dk + o_head, L.to(tl.int32), stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([i_n.to(tl.int32) * BLOCK_N, 0], b_dk)
+        _rows_desc(p_dv + o_head, L.to(tl.int32), stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([i_n.to(tl.int32) * BLOCK_N, 0], b_dv)
+    else:
+        o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
+        _store_rows(p_dk + o_tile, L - i_n * BLOCK_N, stride_kv, b_dk, BLOCK_N, HEAD_DIM, BLOCK_D)
+        _store_rows(p_dv + o_tile, L - i_n * BLOCK_N, stride_kv, b_dv, BLOCK_N, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
 from .._triton_utils import INTERPRET, cdiv
-from .tiles import _atomic_dq_offered, _block_d, _dkdv_tma, _outer_block
+from .tiles import _atomic_dq_offered, _block_d, _dkdv_tma, _kernel_row, _outer_block
 from .triton_kernels import (
     _varlen_attention_bwd_delta_kernel,
     _varlen_attention_bwd_dkdv_kernel,
@@ -151,11 +151,11 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
     meta["DP_F64"] = _DELTA_DTYPES[q.dtype] is torch.float64
     scales = (qk_scale, softmax_scale, *masking)
-    atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
+    atomic = not deterministic and _atomic_dq_offered(q.dtype, D, flags["SOFTCAP"])
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
     dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
               ).zero_() if atomic else dq
-    block = _outer_block("dkdv_dq" if atomic else "dkdv", q.dtype, D)
+    block = _outer_block(_kernel_row("dkdv", atomic, flags["SOFTCAP"]), q.dtype, D)
     work_kv = _work_list(cu_seqlens, T, block, causal, True, longest_first)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
         q_f, k, v, do_f, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,

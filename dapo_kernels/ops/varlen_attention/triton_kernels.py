@@ -320,7 +320,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             m_att = o_m32[None, :] >= o_n[:, None]
         if MASK_CAUSAL or MASK_WINDOW:
             b_pt = tl.where(m_att, b_pt, 0.0)
-        b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)  # (q, k, v, dO: one dtype)
+        # (q, k, v and dO share one dtype; p_q / p_do may be descriptors)
+        b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
         # delta loaded here, not with lse: held across the S^T and dV products it took registers (spills).
         b_delta = tl.load(p_delta + o_m32, mask=m_row, other=0.0)
         if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
@@ -428,9 +429,9 @@ def _varlen_attention_bwd_dkdv_kernel(
     b_dv = _cast(b_dv, p_dv.dtype.element_ty, INTERPRET)
     if TMA:  # (the prologue's scalars, held across the loops, spilled: read again from the work list)
         _, i_hk, i_n, bos, L, _, _, _, _ = _program_block(p_work, p_cu, Hkv, BLOCK_N, HEAD_DIM, BLOCK_D)
-        o_head = bos * stride_kv + i_hk * HEAD_DIM
-        _rows_desc(p_dk + o_head, L.to(tl.int32), stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([i_n.to(tl.int32) * BLOCK_N, 0], b_dk)
-        _rows_desc(p_dv + o_head, L.to(tl.int32), stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([i_n.to(tl.int32) * BLOCK_N, 0], b_dv)
+        o_head, L32, row = bos * stride_kv + i_hk * HEAD_DIM, L.to(tl.int32), i_n.to(tl.int32) * BLOCK_N
+        _rows_desc(p_dk + o_head, L32, stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([row, 0], b_dk)
+        _rows_desc(p_dv + o_head, L32, stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([row, 0], b_dv)
     else:
         o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
         _store_rows(p_dk + o_tile, L - i_n * BLOCK_N, stride_kv, b_dk, BLOCK_N, HEAD_DIM, BLOCK_D)

@@ -95,8 +95,9 @@ _FWD, _DKDV, _DQ = ("_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_
 _NARROW = ("narrow wgmma",)
 _NOT_WGMMA = ("no wgmma", "mma.sync")
 EXCEPTIONS: Tuple[Allowed, ...] = (
-    Allowed(_DKDV, 90, B16, _NARROW, "D = 96-128: the 128 keys x 32 queries tiles (S^T, dP^T N=32 per warpgroup) "
-            "stay autotune candidates beside the n64 tile of 64 queries (TMA form), so autotuning picks either",
+    Allowed(_DKDV, 90, B16, _NARROW, "issue 31: 128 keys x 32 queries at 8 warps gives N=32 per warpgroup for S^T "
+            "and dP^T at D = 96-128: today's tiles, kept as autotune candidates beside the all-n64 tile of 64 "
+            "queries (TMA form), so autotuning can only pick something at least as fast",
             dots=("b_st", "b_dpt"), rows=(96, 128)),
     Allowed(_DKDV, 90, B16, _NARROW, _ISSUE31 + "128 keys x 32 queries (the spill-free tiles at D <= 32) "
             "give S^T and dP^T N=32 per warpgroup", dots=("b_st", "b_dpt"), rows=(16, 32)),

@@ -24,7 +24,7 @@ _OUTER_BLOCK_INTERPRET = 32
 _F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
              **dict.fromkeys((96, 128), (64, ((16, 8, 2),))), 256: (16, ((16, 8, 3),))}
 # Hopper, 16-bit: 128 keys at 8 warps, each warpgroup 64 key rows, 64 queries: S^T / dP^T n64 (64 keys x 16
-# queries gave N = 8). D = 96-128 in the TMA form (_DKDV_TMA_ROWS) at 1 stage (2 spilled in some instances);
+# queries gave N = 8), in the TMA form (_DKDV_TMA_ROWS). D = 96-128 at 1 stage (2 spilled in some instances);
 # the 32-query tiles (n32) they had before stay offered.
 _F16_DKDV_90 = {64: (128, ((64, 8, 1), (64, 8, 2))),
                 **dict.fromkeys((96, 128), (128, ((64, 8, 1), (32, 8, 2), (32, 8, 3))))}
@@ -69,7 +69,7 @@ _GPU_TILES = {
     ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
 # (arch family, element size): the dK/dV rows whose tiles fit only in the TMA form (see _dkdv_tma).
-_DKDV_TMA_ROWS = {(90, 2): (96, 128)}
+_DKDV_TMA_ROWS = {(90, 2): (64, 96, 128)}
 # The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
 TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 _ARCH_FAMILY = {}

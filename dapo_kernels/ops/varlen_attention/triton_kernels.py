@@ -311,7 +311,11 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
         if (MASK_CAUSAL or MASK_WINDOW) and not FINITE_QDO:  # (FINITE_QDO: zeroed by the delta kernel)
             b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
-        b_lse = tl.load(p_lse + o_m32, mask=m_row, other=float("inf"))
+        if TMA:  # (int32 offsets; delta is loaded later)
+            b_lse = tl.load(p_lse + o_m32, mask=m_row, other=float("inf"))
+        else:
+            b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
+            b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
         b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
         b_pt = tl.exp2(_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP))
         if MASK_WINDOW:
@@ -322,13 +326,14 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             b_pt = tl.where(m_att, b_pt, 0.0)
         # (q, k, v and dO share one dtype; p_q / p_do may be descriptors)
         b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
-        # delta loaded here, not with lse: held across the S^T and dV products it took registers (spills).
-        b_delta = tl.load(p_delta + o_m32, mask=m_row, other=0.0)
         if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
             b_dpt = _dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row,
                              MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M) - b_delta[None, :]
-        else:  # dP - delta accumulated onto -delta: no second [keys, queries] fp32 tile
+        elif TMA:  # delta loaded only now (held across the S^T and dV products it spilled), dP accumulated
+            b_delta = tl.load(p_delta + o_m32, mask=m_row, other=0.0)  # onto -delta: no second fp32 tile
             b_dpt = tl.dot(b_v, tl.trans(b_do), tl.zeros_like(b_st) - b_delta[None, :], input_precision=PREC)
+        else:
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC) - b_delta[None, :]
         b_dst = _dsoftcap(b_pt * b_dpt.to(tl.float32), b_tt, SOFTCAP)
         # A query's NaN lse / delta must not reach the keys it does not attend: there P is exactly 0. Keyed
         # on P, not on the mask, which would stay live in registers across the dP product (spills); an
@@ -383,9 +388,13 @@ def _varlen_attention_bwd_dkdv_kernel(
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Causal: queries on the block's diagonal see part of it (masked [lo, mid)), later ones all of it.
-    L32 = L.to(tl.int32)  # int32 query positions: int64 ones (and their hoisted aranges) take registers
-    lo = i_n.to(tl.int32) * BLOCK_N if IS_CAUSAL else 0
-    mid = tl.minimum(lo + BLOCK_N, L32) if IS_CAUSAL else 0
+    L32 = L.to(tl.int32)
+    if TMA:  # int32 query positions: an int64 loop variable hoisted an int64 arange into registers (spills)
+        L_q, i_q = L32, i_n.to(tl.int32)
+    else:
+        L_q, i_q = L, i_n
+    lo = i_q * BLOCK_N if IS_CAUSAL else 0
+    mid = tl.minimum(lo + BLOCK_N, L_q) if IS_CAUSAL else 0
     o_k = i_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 for the masks: int64 ones take registers
     for g in range(GROUP):
         i_h = (i_hk * GROUP + g).to(tl.int64)
@@ -401,7 +410,7 @@ def _varlen_attention_bwd_dkdv_kernel(
             if ATOMIC_DQ and not INTERPRET:
                 p_dqh = _rows_desc(p_dqh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
         if LOCAL:  # sliding window: the queries that see some key of the block, all masked
-            w_lo, w_hi = _window_range(i_n.to(tl.int32) * BLOCK_N, BLOCK_N, win_right, win_left, L32)
+            w_lo, w_hi = _window_range(i_q * BLOCK_N, BLOCK_N, win_right, win_left, L_q)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=w_lo, hi=w_hi, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
@@ -414,14 +423,14 @@ def _varlen_attention_bwd_dkdv_kernel(
             if IS_CAUSAL:
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
-                    lo=lo, hi=L32 if FINITE_QDO else mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap,
+                    lo=lo, hi=L_q if FINITE_QDO else mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap,
                     win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
                     BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_CAUSAL=True)
             if not (IS_CAUSAL and FINITE_QDO):
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
-                    lo=mid, hi=L32, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
+                    lo=mid, hi=L_q, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                     win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                     BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     FINITE_QDO=FINITE_QDO, TMA=TMA)

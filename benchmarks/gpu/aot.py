@@ -99,8 +99,9 @@ _NARROW = ("narrow wgmma",)
 _NOT_WGMMA = ("no wgmma", "mma.sync")
 EXCEPTIONS: Tuple[Allowed, ...] = (
     Allowed(_DKDV, 90, B16, _NARROW, "issue 31: 128 keys x 32 queries at 8 warps gives N=32 per warpgroup for S^T "
-            "and dP^T at D = 96-128 (was 64 x 16, N=8): every 64-query tile spilled, 32-1500 B (dK, dV alone hold "
-            "128 registers a thread)", dots=("b_st", "b_dpt"), rows=(96, 128)),
+            "and dP^T at D = 96-128: today's tiles, kept as autotune candidates beside the all-n64 tile of 64 "
+            "queries (TMA form), so autotuning can only pick something at least as fast",
+            dots=("b_st", "b_dpt"), rows=(96, 128)),
     Allowed(_DKDV, 90, B16, _NARROW, _ISSUE31 + "128 keys x 32 queries (the spill-free tiles at D <= 32) "
             "give S^T and dP^T N=32 per warpgroup", dots=("b_st", "b_dpt"), rows=(16, 32)),
     Allowed(_DKDV, 90, B16, _NARROW, "dV += P^T dO and dK += dS^T Q have N = the head dim: below 64 at "
@@ -126,9 +127,9 @@ EXCEPTIONS: Tuple[Allowed, ...] = (
     *(Allowed(k, 90, ("float32",), ("mma.sync",), _F64_MMA, dots=("b_acc",)) for k in (_DKDV, _DQ)),
     *(Allowed(k, arch, ("float32",), ("spills",), _F32_DP_SPILLS) for k in (_DKDV, _DQ) for arch in ARCHS),
     # Triton 3.6 (the lowest declared, the GPU image's) allocates registers less tightly than 3.9.
-    Allowed(_DKDV, 90, B16, ("spills",), "Triton 3.6 only: the 128-key dK/dV tiles spill 8-168 B (3.9 fits "
-            "them in registers); tile tables per Triton version would avoid it", rows=(64, 96, 128),
-            triton_below=(3, 7)),
+    Allowed(_DKDV, 90, B16, ("spills",), "Triton 3.6 only: the 64-query dK/dV tiles spill at D = 96-128, "
+            "32-88 B with atomic dQ, 40-96 B with window + softcap (3.9 fits them in registers); tile tables per "
+            "Triton version would avoid it", rows=(96, 128), triton_below=(3, 7)),
     Allowed(_DKDV, 80, B16, ("spills",), "Triton 3.6 only: the 128 x 64 dK/dV tile at D = 16 spills 16 B",
             rows=(16,), triton_below=(3, 7)),
     Allowed("_varlen_attention_fwd_hopper_kernel", 90, B16, ("spills",), "Triton 3.6 only: the descriptor "
@@ -193,7 +194,7 @@ class Record:
         return None if d is None else next((t for t in ATTN_HEAD_DIMS if t >= d), None)
 
 
-_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|TMA|num_warps|num_stages)$")
+_CONFIG_KEYS = re.compile(r"^(BLOCK_[A-Z]+|ATOMIC_DQ|TMA|FINITE_QDO|num_warps|num_stages)$")
 
 
 @contextlib.contextmanager

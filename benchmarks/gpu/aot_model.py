@@ -184,8 +184,8 @@ def _attention(kernel: str, D: int, causal: bool, dtype_bytes: int) -> dict:
     qo, kv = Hq * T * D * dtype_bytes, Hkv * T * D * dtype_bytes
     if "_fwd" in kernel:
         nbytes = 2 * qo + 2 * kv + Hq * T * 4
-    elif "_delta" in kernel:
-        return dict(problem="T=16384 Hq=32", flops_per_dot=0, exps=0, bytes=2 * qo + Hq * T * 8)
+    elif "_delta" in kernel:  # (qo: with FINITE_QDO it also reads Q and writes Q, dO copies, see predict)
+        return dict(problem="T=16384 Hq=32", flops_per_dot=0, exps=0, bytes=2 * qo + Hq * T * 8, qo=qo)
     else:  # q, do, k, v, lse, delta in; dK + dV or dQ out
         nbytes = 2 * qo + 2 * kv + Hq * T * 8 + (2 * kv if "dkdv" in kernel else Hq * T * D * 4)
     return dict(problem=f"T=16384 Hq=32 Hkv=8 {'causal' if causal else 'full'}", flops_per_dot=2 * D * scores,
@@ -229,6 +229,8 @@ def predict(kernel: str, dtype: str, inputs: str, dots: Dict[str, Dict[str, int]
     work = problem(kernel, dtype, inputs)
     if work is None:
         return None
+    if "FINITE_QDO=True" in config and "qo" in work:  # the delta kernel's Q, dO copies (read Q, write both)
+        work = {**work, "bytes": work["bytes"] + 3 * work["qo"]}
     flops = work["flops_per_dot"] * len(dots)
     t_dots = sum(work["flops_per_dot"] / (_dot_rate(s) * 1e12) for s in dots.values())
     wg = max(1, blocks * warps // 4)

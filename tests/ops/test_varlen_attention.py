@@ -444,3 +444,29 @@ def test_int64_cu_seqlens_accepted():
     good = _good()
     want = _call(dict(good))
     torch.testing.assert_close(_call({**good, "cu_seqlens": good["cu_seqlens"].long()}), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("poisoned", ["q", "dout"])
+@pytest.mark.parametrize("window", [(-1, -1), (3, -1)], ids=["causal", "window"])
+def test_16bit_nonfinite_gradients_reach_only_what_attends_it(poisoned, window):
+    """bf16, causal (and windowed), Triton, deterministic: an inf in one query's q or dO makes NaN exactly
+    that query's dQ and the dK / dV of the keys it attends; every other gradient is bitwise the clean
+    run's (keys of the same blocks it does not attend included: the dK/dV kernel's masked steps read
+    non-finite q / dO as 0)."""
+    q, k, v, cu = _inputs([40, 9], 16, 2, 1, BF16)
+    dout = torch.randn(q.shape, dtype=BF16)
+    bad_q, bad_dout = q.detach().clone(), dout.clone()
+    (bad_q if poisoned == "q" else bad_dout)[5, 0, 3] = float("inf")
+    grads = []
+    for qq, do in ((q.detach(), dout), (bad_q, bad_dout)):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (qq, k, v))
+        with backend("triton"):
+            out = dk.varlen_attention(qq, kk, vv, cu, 40, causal=True, window_size=window, deterministic=True)
+        grads.append(_grads(out, qq, kk, vv, do))
+    t = torch.arange(q.shape[0])
+    keys = (t <= 5) & (t >= 5 - (window[0] if window[0] >= 0 else 5))  # the keys query 5 attends
+    want = {"dq": (t == 5)[:, None] & (torch.arange(2) == 0)[None, :], "dk": keys[:, None], "dv": keys[:, None]}
+    for name, clean, got in zip(("dq", "dk", "dv"), *grads):
+        nan_rows = got.isnan().any(-1)
+        assert torch.equal(nan_rows, want[name]), f"{name}: NaN rows {nan_rows.nonzero().tolist()}"
+        assert torch.equal(got[~nan_rows], clean[~nan_rows]), f"{name}: a row it does not reach changed"

@@ -10,7 +10,8 @@ from ..._cache import per_tensor_cache
 from ..._registry import register
 from .._triton_utils import INTERPRET, cdiv
 from .lse import lse_dtype
-from .tiles import _GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _outer_block, _tile_dim
+from .tiles import (_GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _dkdv_tma, _kernel_row, _outer_block,
+                    _tile_dim)
 from .triton_fwd_tma import _varlen_attention_fwd_hopper_kernel, ensure_allocator, tma_offered
 from .triton_kernels import (
     _varlen_attention_bwd_delta_kernel,
@@ -123,14 +124,18 @@ def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     return out, lse
 
 
-def _launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+def _launch_delta(out: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, finite_qdo: bool):
+    """``(delta, q, dout)``; with ``finite_qdo`` the q and dout returned are copies whose non-finite
+    entries read 0 (for the dK/dV kernel's FINITE_QDO)."""
     T, Hq, D = out.shape
     delta = empty_output((Hq, T), dtype=_DELTA_DTYPES[out.dtype], device=out.device)
+    q_f, do_f = (torch.empty_like(q), torch.empty_like(dout)) if finite_qdo else (q, dout)
     rows = min(32, _DELTA_ELEMS // _block_d(D))
     _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, rows),)](
-        out, dout, delta, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=rows, num_warps=8,
+        out, dout, delta, q, q_f, do_f, T, Hq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_R=rows, FINITE_QDO=finite_qdo,
+        num_warps=8,
     )
-    return delta
+    return delta, q_f, do_f
 
 
 @register("varlen_attention_bwd", "triton")
@@ -145,20 +150,26 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     dv = empty_output(v.shape, dtype=v.dtype, device=v.device)
     if T == 0:
         return dq, dk, dv
-    delta = _launch_delta(out, dout)
     (qk_scale, *masking), flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
+    # TMA form of dK/dV (tiles._dkdv_tma): masked steps read q / dO copies with non-finite entries zeroed,
+    # also made where q / dO are not 16-byte aligned (descriptor bases must be).
+    tma = _dkdv_tma(q.dtype, D)
+    finite_qdo = tma and (causal or flags["LOCAL"] or q.data_ptr() % 16 != 0 or dout.data_ptr() % 16 != 0)
+    delta, q_f, do_f = _launch_delta(out, dout, q, finite_qdo)
+    if tma:
+        ensure_allocator()
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
     meta["DP_F64"] = _DELTA_DTYPES[q.dtype] is torch.float64
     scales = (qk_scale, softmax_scale, *masking)
-    atomic = not deterministic and _atomic_dq_offered(q.dtype, D)
+    atomic = not deterministic and _atomic_dq_offered(q.dtype, D, flags["SOFTCAP"])
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
     dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
               ).zero_() if atomic else dq
-    block = _outer_block("dkdv_dq" if atomic else "dkdv", q.dtype, D)
+    block = _outer_block(_kernel_row("dkdv", atomic, flags["SOFTCAP"]), q.dtype, D)
     work_kv = _work_list(cu_seqlens, T, block, causal, True, longest_first)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,
-        ATOMIC_DQ=atomic, **meta,
+        q_f, k, v, do_f, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,
+        ATOMIC_DQ=atomic, FINITE_QDO=finite_qdo, TMA=tma, **meta,
     )
     if atomic:
         return (dq if dq_acc is dq else dq.copy_(dq_acc)), dk, dv

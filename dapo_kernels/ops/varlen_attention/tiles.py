@@ -23,10 +23,11 @@ _OUTER_BLOCK_INTERPRET = 32
 # head dim and per arch, hence one row per tabled head dim.
 _F16_DKDV = {16: (128, ((32, 4, 2), (32, 8, 3), (64, 8, 2))), 32: (128, ((32, 8, 3),)), 64: (64, ((16, 8, 3),)),
              **dict.fromkeys((96, 128), (64, ((16, 8, 2),))), 256: (16, ((16, 8, 3),))}
-# Hopper, 16-bit: 128 keys at 8 warps, each warpgroup 64 key rows. D = 64: 64 queries, S^T / dP^T n64
-# (64 keys x 16 queries gave N = 8); D = 96-128: 32 queries (n32), since every 64-query tile spilled
-# (dK, dV alone take 128 registers a thread), and so did its atomic-dQ variant (causal: 32-96 B).
-_F16_DKDV_90 = {64: (128, ((64, 8, 1), (64, 8, 2))), **dict.fromkeys((96, 128), (128, ((32, 8, 2), (32, 8, 3))))}
+# Hopper, 16-bit: 128 keys at 8 warps, each warpgroup 64 key rows, 64 queries: S^T / dP^T n64 (64 keys x 16
+# queries gave N = 8), in the TMA form (_DKDV_TMA_ROWS). D = 96-128 at 1 stage (2 spilled in some instances);
+# the 32-query tiles (n32) they had before stay offered.
+_F16_DKDV_90 = {64: (128, ((64, 8, 1), (64, 8, 2))),
+                **dict.fromkeys((96, 128), (128, ((64, 8, 1), (32, 8, 2), (32, 8, 3))))}
 _F32_FWD = {16: (64, ((32, 4, 2), (32, 8, 2))), **dict.fromkeys((32, 64), (64, ((16, 8, 2), (32, 8, 2)))),
             **dict.fromkeys((96, 128), (32, ((16, 8, 1),))), 256: (16, ((16, 8, 2),))}
 # 1 stage where 2 spilled: without the software pipeline ptxas keeps fewer registers live.
@@ -66,13 +67,18 @@ _GPU_TILES = {
     ("dq", 80, 4): _F32_DQ_80,
     # dK/dV with dQ added by atomics (deterministic=False) also holds a dQ tile and its addresses:
     # rows only where that compiles without spills; elsewhere the dQ kernel runs instead.
-    ("dkdv_dq", 90, 2): {**{d: _F16_DKDV[d] for d in (16, 32)}, 64: _F16_DKDV_90[64]},
+    ("dkdv_dq", 90, 2): {**{d: _F16_DKDV[d] for d in (16, 32)}, 64: _F16_DKDV_90[64],
+                         **dict.fromkeys((96, 128), (128, ((64, 8, 1),)))},  # (32 queries: dQ on mma.sync)
+    # With soft-capping the tanh term is one more [keys, queries] fp32 tile: 64 queries spilled 8-48 B at D = 96-128.
+    ("dkdv_dq_softcap", 90, 2): {**{d: _F16_DKDV[d] for d in (16, 32)}, 64: _F16_DKDV_90[64]},
     ("dkdv_dq", 80, 2): {d: _F16_DKDV[d] for d in (32, 64)},
     # fp32: D = 32 only, since dP is summed in fp64 (_dot_f64), whose tiles spill at larger D.
     ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
     ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
 TMA_FWD_PLAIN_MAXNREG = 128  # (maxnreg of the "tma_fwd_plain" configs: 128 x 256 threads = half an SM's registers)
+# (arch family, element size): the dK/dV rows whose tiles fit only in the TMA form (see _dkdv_tma).
+_DKDV_TMA_ROWS = {(90, 2): (64, 96, 128)}
 # The head dims _GPU_TILES has rows for (each row serves the head dims up to it).
 TILE_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 _ARCH_FAMILY = {}
@@ -92,9 +98,16 @@ def _tile_dim(head_dim: int) -> int:
     return next(d for d in TILE_HEAD_DIMS if d >= head_dim)
 
 
+def _table(kernel: str, dtype: torch.dtype) -> dict:
+    """The _GPU_TILES rows of ``kernel`` for ``dtype`` on this GPU (a "_softcap" table where it has one,
+    else the plain kernel's)."""
+    key = (kernel, _arch_family(), dtype.itemsize)
+    return _GPU_TILES[key] if key in _GPU_TILES else _GPU_TILES[(kernel.removesuffix("_softcap"), *key[1:])]
+
+
 def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
     """(outer block, ((inner block, warps, stages), ...)) of ``kernel`` for these inputs on this GPU."""
-    return _GPU_TILES[kernel, _arch_family(), dtype.itemsize][_tile_dim(head_dim)]
+    return _table(kernel, dtype)[_tile_dim(head_dim)]
 
 
 def _inner_configs(kernel: str, name: str):
@@ -114,7 +127,7 @@ def _prune(kernel: str, name: str) -> dict:
     def early_config_prune(configs, named_args, **kwargs):
         if INTERPRET:
             return configs
-        tiles = kernel + "_dq" if kwargs.get("ATOMIC_DQ") else kernel  # dK/dV with atomic dQ: its own
+        tiles = _kernel_row(kernel, kwargs.get("ATOMIC_DQ"), kwargs.get("SOFTCAP"))
         offered = _tiles(tiles, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
         return [c for c in configs if (c.kwargs[name], c.num_warps, c.num_stages) in offered]
     return {"early_config_prune": early_config_prune}
@@ -124,10 +137,26 @@ def _outer_block(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
     return _OUTER_BLOCK_INTERPRET if INTERPRET else _tiles(kernel, dtype, head_dim)[0]
 
 
-def _atomic_dq_offered(dtype: torch.dtype, head_dim: int) -> bool:
+def _kernel_row(kernel: str, atomic_dq: bool, softcap: bool) -> str:
+    """The _GPU_TILES kernel name of a launch: dK/dV with atomic dQ has its own rows, and with
+    soft-capping its own again (_table falls back to "_dq" where there are none)."""
+    return kernel + ("_dq_softcap" if softcap else "_dq") if atomic_dq else kernel
+
+
+def _atomic_dq_offered(dtype: torch.dtype, head_dim: int, softcap: bool = False) -> bool:
     """Whether dQ by atomics (deterministic=False) has a tile for these inputs on this GPU: where
     none compiles without spills (_GPU_TILES has no "dkdv_dq" row), the dQ kernel runs instead."""
-    return INTERPRET or _tile_dim(head_dim) in _GPU_TILES["dkdv_dq", _arch_family(), dtype.itemsize]
+    return INTERPRET or _tile_dim(head_dim) in _table(_kernel_row("dkdv", True, softcap), dtype)
+
+
+def _dkdv_tma(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the dK/dV kernel loads q / dO (and adds dQ) through tensor descriptors, its causal steps
+    one masked loop reading q / dO copies with non-finite entries zeroed (TMA, FINITE_QDO): where its
+    offered tiles need that to fit (_DKDV_TMA_ROWS); in the interpreter for 16-bit inputs, so CPU tests
+    run both forms."""
+    if INTERPRET:
+        return dtype.itemsize == 2
+    return _tile_dim(head_dim) in _DKDV_TMA_ROWS.get((_arch_family(), dtype.itemsize), ())
 
 
 def _block_d(head_dim: int) -> int:

@@ -46,9 +46,11 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def ensure_allocator() -> None:
-    """Give Triton an allocator for the descriptors' scratch unless the caller already set one."""
+    """Device-side tensor descriptors (forward and dK/dV) take global scratch, which Triton asks of the
+    allocator set with ``triton.set_allocator`` (a context variable: per thread, and autograd runs the
+    backward on its own): set one where none is, keep the caller's otherwise (the interpreter needs none)."""
     from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    if not INTERPRET and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
 

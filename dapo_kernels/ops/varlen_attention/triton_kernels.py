@@ -124,6 +124,14 @@ def _store_rows(p_base, n_rows, stride, b_x, BLOCK_R: tl.constexpr, HEAD_DIM: tl
 
 
 @triton.jit
+def _rows_desc(p_base, n_rows, stride, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tensor descriptor of the ``[n_rows, HEAD_DIM]`` rows ``p_base + r * stride`` in ``[BLOCK_R, BLOCK_D]``
+    blocks (reads past its bounds give 0, writes there are dropped). ``p_base`` and ``stride`` 16-byte aligned."""
+    return tl.make_tensor_descriptor(p_base, shape=[n_rows, HEAD_DIM], strides=[stride, 1],
+                                     block_shape=[BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def _in_window(o_q, o_k, win_left, win_right):
     """Sliding window (flash-attn's window_size within one sequence): query i sees key j iff
     i - left <= j <= i + right (causal: right = 0; unbounded sides arrive as >= the length)."""
@@ -272,26 +280,33 @@ def _varlen_attention_fwd_kernel(
 
 # --------------------------------------------------------------------------- backward
 @triton.jit
-def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, T, Hq,
-                                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (in p_delta's dtype), over rows r = t * Hq + h."""
+def _varlen_attention_bwd_delta_kernel(p_o, p_do, p_delta, p_q, p_qf, p_dof, T, Hq, HEAD_DIM: tl.constexpr,
+                                       BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FINITE_QDO: tl.constexpr):
+    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (in p_delta's dtype), over rows r = t * Hq + h.
+    ``FINITE_QDO``: also copy Q and dO to ``p_qf`` / ``p_dof`` with non-finite entries read as 0, for
+    the dK/dV kernel's masked steps (a query's inf would reach keys it does not attend as 0 * inf)."""
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < T * Hq
     m = m_r[:, None] & (o_d < HEAD_DIM)[None, :]
     # fp64 products and sum, rounded once: delta's error reaches dQ / dK through a term that does not
     # cancel (plain softmax backward has none), so it is kept to O's rounding. Memory-bound: fp64 is free.
-    b_o = tl.load(p_o + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
-    b_do = tl.load(p_do + o_r[:, None] * HEAD_DIM + o_d[None, :], mask=m, other=0.0).to(tl.float64)
-    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do, 1).to(p_delta.dtype.element_ty), mask=m_r)
+    o_x = o_r[:, None] * HEAD_DIM + o_d[None, :]
+    b_o = tl.load(p_o + o_x, mask=m, other=0.0).to(tl.float64)
+    b_do = tl.load(p_do + o_x, mask=m, other=0.0)
+    tl.store(p_delta + (o_r % Hq) * T + o_r // Hq, tl.sum(b_o * b_do.to(tl.float64), 1).to(p_delta.dtype.element_ty),
+             mask=m_r)
+    if FINITE_QDO:
+        tl.store(p_dof + o_x, _finite_or_zero(b_do), mask=m)
+        tl.store(p_qf + o_x, _finite_or_zero(tl.load(p_q + o_x, mask=m, other=0.0)), mask=m)
 
 
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta, p_dq, stride_q, o_n, lo, hi, L,
                 qk_scale, sm_scale, cap, win_left, win_right, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr,
-                PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr,
-                MASK_CAUSAL: tl.constexpr = False, MASK_WINDOW: tl.constexpr = False):
+                PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, FINITE_QDO: tl.constexpr,
+                TMA: tl.constexpr, MASK_CAUSAL: tl.constexpr = False, MASK_WINDOW: tl.constexpr = False):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
@@ -302,17 +317,24 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
     L32 = L.to(tl.int32)
     # The causal diagonal's few steps are not software-pipelined: its q / dO pass through registers
     # (non-finite entries zeroed), and a prefetched pair held there across the step spilled.
-    for start in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASK_CAUSAL else None):
+    for start in tl.range(lo, hi, BLOCK_M, num_stages=1 if MASK_CAUSAL and not FINITE_QDO else None):
         o_m32 = (start + tl.arange(0, BLOCK_M)).to(tl.int32)
         o_m = o_m32.to(tl.int64)
         m_row = o_m32 < L32
         m_q = m_row[:, None] & m_d[None, :]
-        b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
-        b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
-        if MASK_CAUSAL or MASK_WINDOW:
+        if TMA:  # (p_q, p_do: descriptors of the head's rows [0, L): rows past L read 0)
+            b_q = p_q.load([start, 0]).to(DOT_T)
+            b_do = p_do.load([start, 0]).to(DOT_T)
+        else:
+            b_q = tl.load(p_q + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
+            b_do = tl.load(p_do + o_m[:, None] * stride_q + o_d[None, :], mask=m_q, other=0.0).to(DOT_T)
+        if (MASK_CAUSAL or MASK_WINDOW) and not FINITE_QDO:  # (FINITE_QDO: zeroed by the delta kernel)
             b_q, b_do = _finite_or_zero(b_q), _finite_or_zero(b_do)
-        b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
-        b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
+        if TMA:  # (int32 offsets; delta is loaded later)
+            b_lse = tl.load(p_lse + o_m32, mask=m_row, other=float("inf"))
+        else:
+            b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf"))
+            b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
         b_st, b_tt = _scores(tl.dot(b_k, tl.trans(b_q), input_precision=PREC), qk_scale, cap, SOFTCAP)
         b_pt = _exp2_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP)
         if MASK_WINDOW:
@@ -321,23 +343,30 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             m_att = o_m32[None, :] >= o_n[:, None]
         if MASK_CAUSAL or MASK_WINDOW:
             b_pt = tl.where(m_att, b_pt, 0.0)
-        b_dv += tl.dot(_cast(b_pt, p_do.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
+        # (q, k, v and dO share one dtype; p_q / p_do may be descriptors)
+        b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
         if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
             b_dpt = _dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row,
-                             MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M)
+                             MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M) - b_delta[None, :]
+        elif TMA:  # delta loaded only now (held across the S^T and dV products it spilled), dP accumulated
+            b_delta = tl.load(p_delta + o_m32, mask=m_row, other=0.0)  # onto -delta: no second fp32 tile
+            b_dpt = tl.dot(b_v, tl.trans(b_do), tl.zeros_like(b_st) - b_delta[None, :], input_precision=PREC)
         else:
-            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
-        b_dst = _dsoftcap(b_pt * (b_dpt - b_delta[None, :]).to(tl.float32), b_tt, SOFTCAP)
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC) - b_delta[None, :]
+        b_dst = _dsoftcap(b_pt * b_dpt.to(tl.float32), b_tt, SOFTCAP)
         # A query's NaN lse / delta must not reach the keys it does not attend: there P is exactly 0. Keyed
         # on P, not on the mask, which would stay live in registers across the dP product (spills); an
         # attended P that underflowed to 0 then drops a non-finite dP too, whose inputs nan.py marks anyway.
         if MASK_CAUSAL or MASK_WINDOW:
             b_dst = tl.where(b_pt != 0.0, b_dst, 0.0)
-        b_dst = _cast(b_dst, p_q.dtype.element_ty, INTERPRET).to(DOT_T)
+        b_dst = _cast(b_dst, p_v.dtype.element_ty, INTERPRET).to(DOT_T)
         b_dk += tl.dot(b_dst, b_q, input_precision=PREC)
         if ATOMIC_DQ:  # (b_k comes with non-finite entries zeroed where tiles are masked: see the kernel)
             b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PREC) * sm_scale
-            tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
+            if TMA and not INTERPRET:  # (the interpreter has no descriptor atomics: p_dq stays a pointer)
+                p_dq.atomic_add([start, 0], b_dq)
+            else:
+                tl.atomic_add(p_dq + o_m[:, None] * stride_q + o_d[None, :], b_dq, mask=m_q, sem="relaxed")
     return b_dk, b_dv
 
 
@@ -352,7 +381,8 @@ def _varlen_attention_bwd_dkdv_kernel(
     cap, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, FINITE_QDO: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dK, dV of one (key block, KV head): loops over the GROUP query heads sharing the KV
     head and over their query blocks, summing in registers; one writer per element, so
@@ -377,8 +407,13 @@ def _varlen_attention_bwd_dkdv_kernel(
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Causal: queries on the block's diagonal see part of it (masked [lo, mid)), later ones all of it.
-    lo = i_n * BLOCK_N if IS_CAUSAL else 0
-    mid = tl.minimum(lo + BLOCK_N, L) if IS_CAUSAL else 0
+    L32 = L.to(tl.int32)
+    if TMA:  # int32 query positions: an int64 loop variable hoisted an int64 arange into registers (spills)
+        L_q, i_q = L32, i_n.to(tl.int32)
+    else:
+        L_q, i_q = L, i_n
+    lo = i_q * BLOCK_N if IS_CAUSAL else 0
+    mid = tl.minimum(lo + BLOCK_N, L_q) if IS_CAUSAL else 0
     o_k = i_n.to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 for the masks: int64 ones take registers
     for g in range(GROUP):
         i_h = (i_hk * GROUP + g).to(tl.int64)
@@ -388,33 +423,47 @@ def _varlen_attention_bwd_dkdv_kernel(
         p_vh = p_v + bos * stride_kv + i_hk * HEAD_DIM
         p_deltah = p_delta + i_h * T + bos
         p_dqh = p_dq + bos * stride_q + i_h * HEAD_DIM
+        if TMA:  # tensor descriptors (TMA loads into shared memory): no per-element addresses in registers
+            p_qh = _rows_desc(p_qh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
+            p_doh = _rows_desc(p_doh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
+            if ATOMIC_DQ and not INTERPRET:
+                p_dqh = _rows_desc(p_dqh, L32, stride_q, BLOCK_M, HEAD_DIM, BLOCK_D)
         if LOCAL:  # sliding window: the queries that see some key of the block, all masked
-            w_lo, w_hi = _window_range(i_n * BLOCK_N, BLOCK_N, win_right, win_left, L)
+            w_lo, w_hi = _window_range(i_q * BLOCK_N, BLOCK_N, win_right, win_left, L_q)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                 lo=w_lo, hi=w_hi, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                 win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                 BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                MASK_WINDOW=True)
+                FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_WINDOW=True)
         else:
+            # Causal: the diagonal's masked steps [lo, mid), then [mid, L). FINITE_QDO: one masked loop over
+            # [lo, L) instead; as two loops the wide tiles spilled (NOTES.md, "Hopper retiling").
             if IS_CAUSAL:
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
-                    lo=lo, hi=mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
-                    win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
+                    lo=lo, hi=L_q if FINITE_QDO else mid, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap,
+                    win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
                     BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                    MASK_CAUSAL=True)
-            b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
-                lo=mid, hi=L, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
-                win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET)
-    o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
-    n_rows = L - i_n * BLOCK_N
-    _store_rows(p_dk + o_tile, n_rows, stride_kv, _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET),
-                BLOCK_N, HEAD_DIM, BLOCK_D)
-    _store_rows(p_dv + o_tile, n_rows, stride_kv, _cast(b_dv, p_dv.dtype.element_ty, INTERPRET),
-                BLOCK_N, HEAD_DIM, BLOCK_D)
+                    FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_CAUSAL=True)
+            if not (IS_CAUSAL and FINITE_QDO):
+                b_dk, b_dv = _dkdv_inner(
+                    b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
+                    lo=mid, hi=L_q, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
+                    win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                    BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
+                    FINITE_QDO=FINITE_QDO, TMA=TMA)
+    b_dk = _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET)
+    b_dv = _cast(b_dv, p_dv.dtype.element_ty, INTERPRET)
+    if TMA:  # (the prologue's scalars, held across the loops, spilled: read again from the work list)
+        _, i_hk, i_n, bos, L, _, _, _, _ = _program_block(p_work, p_cu, Hkv, BLOCK_N, HEAD_DIM, BLOCK_D)
+        o_head, L32, row = bos * stride_kv + i_hk * HEAD_DIM, L.to(tl.int32), i_n.to(tl.int32) * BLOCK_N
+        _rows_desc(p_dk + o_head, L32, stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([row, 0], b_dk)
+        _rows_desc(p_dv + o_head, L32, stride_kv, BLOCK_N, HEAD_DIM, BLOCK_D).store([row, 0], b_dv)
+    else:
+        o_tile = (bos + i_n * BLOCK_N) * stride_kv + i_hk * HEAD_DIM
+        _store_rows(p_dk + o_tile, L - i_n * BLOCK_N, stride_kv, b_dk, BLOCK_N, HEAD_DIM, BLOCK_D)
+        _store_rows(p_dv + o_tile, L - i_n * BLOCK_N, stride_kv, b_dv, BLOCK_N, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ from .triton_kernels import (
     _in_window,
     _program_block,
     _scores,
+    _softmax_step,
     _varlen_attention_fwd_kernel,
     _window_range,
 )
@@ -117,18 +118,8 @@ def _fwd_tma_inner(b_acc, b_l, b_m, b_q, d_k, d_v, o_m, lo, hi, L, qk_scale, cap
             b_s = tl.where(o_m[:, None] >= o_n[None, :], b_s, float("-inf"))
         elif MASK_LEN:
             b_s = tl.where(o_n[None, :] < L, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
-        if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
-            # A row that has seen only masked keys keeps m = -inf: shift by 0 (p = 0, alpha = 0, not NaN).
-            b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        else:
-            b_shift = b_m_new
-        b_p = tl.exp2(tl.fma(b_s, b_scale, -b_shift[:, None]))
-        b_alpha = tl.exp2(b_m - b_shift)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_pv = tl.dot(_cast(b_p, b_v.dtype, INTERPRET).to(DOT_T), b_v.to(DOT_T), input_precision=PREC)
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_m = b_m_new
+        b_acc, b_l, b_m = _softmax_step(b_acc, b_l, b_m, b_s, b_scale, b_v, DOT_T=DOT_T, PREC=PREC,
+                                        INTERPRET=INTERPRET, MASKED=MASK_CAUSAL or MASK_LEN or MASK_WINDOW)
     return b_acc, b_l, b_m
 
 

@@ -202,21 +202,29 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
             b_s = tl.where((o_m[:, None] >= o_n32[None, :]) & (o_n32[None, :] < L32), b_s, float("-inf"))
         elif MASK_LEN:
             b_s = tl.where(o_n32[None, :] < L32, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
-        if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
-            # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
-            # gives p = 0 and alpha = 0 rather than exp2(-inf + inf) = NaN.
-            b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        else:
-            b_shift = b_m_new
-        b_p = tl.exp2(tl.fma(b_s, b_scale, -b_shift[:, None]))  # one rounding (see _shifted)
-        b_alpha = tl.exp2(b_m - b_shift)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        # P is rounded to the input dtype as flash attention does, then fed as DOT_T.
-        b_pv = tl.dot(_cast(b_p, b_v.dtype, INTERPRET).to(DOT_T), b_v.to(DOT_T), input_precision=PREC)
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_m = b_m_new
+        b_acc, b_l, b_m = _softmax_step(b_acc, b_l, b_m, b_s, b_scale, b_v, DOT_T=DOT_T, PREC=PREC,
+                                        INTERPRET=INTERPRET, MASKED=MASK_CAUSAL or MASK_LEN or MASK_WINDOW)
     return b_acc, b_l, b_m
+
+
+@triton.jit
+def _softmax_step(b_acc, b_l, b_m, b_s, b_scale, b_v, DOT_T: tl.constexpr, PREC: tl.constexpr,
+                  INTERPRET: tl.constexpr, MASKED: tl.constexpr):
+    """One key block of the online softmax (both forwards): running max, sum and output updated with
+    the block's scores ``b_s`` (scaled by ``b_scale`` inside exp2's FMA, -inf where MASKED out)."""
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * b_scale)
+    if MASKED:
+        # A row that has seen only masked keys keeps m = -inf; shifting by 0 instead
+        # gives p = 0 and alpha = 0 rather than exp2(-inf + inf) = NaN.
+        b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    else:
+        b_shift = b_m_new
+    b_p = tl.exp2(tl.fma(b_s, b_scale, -b_shift[:, None]))  # one rounding (see _shifted)
+    b_alpha = tl.exp2(b_m - b_shift)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    # P is rounded to the input dtype as flash attention does, then fed as DOT_T.
+    b_pv = tl.dot(_cast(b_p, b_v.dtype, INTERPRET).to(DOT_T), b_v.to(DOT_T), input_precision=PREC)
+    return b_acc * b_alpha[:, None] + b_pv, b_l, b_m_new
 
 
 @triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],

@@ -25,9 +25,9 @@ from .tiles import _GPU_TILES, TMA_FWD_PLAIN_MAXNREG, _arch_family, _tile_dim
 from .triton_kernels import (
     _cast,
     _finite_or_zero,
+    _fwd_scores,
     _in_window,
     _program_block,
-    _scores,
     _softmax_step,
     _varlen_attention_fwd_kernel,
     _window_range,
@@ -105,12 +105,7 @@ def _fwd_tma_inner(b_acc, b_l, b_m, b_q, d_k, d_v, o_m, lo, hi, L, qk_scale, cap
         b_v = d_v.load([start, 0])
         if MASK_CAUSAL or MASK_WINDOW:
             b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
-        if SOFTCAP:
-            b_s, _ = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
-            b_scale = 1.0
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-            b_scale = qk_scale
+        b_s, b_scale = _fwd_scores(b_q, b_k, qk_scale, cap, SOFTCAP=SOFTCAP, PREC=PREC)
         if MASK_WINDOW:
             b_s = tl.where(_in_window(o_m[:, None], o_n[None, :], win_left, win_right) & (o_n[None, :] < L),
                            b_s, float("-inf"))

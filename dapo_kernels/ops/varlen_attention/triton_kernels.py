@@ -62,6 +62,19 @@ def _scores(b_qk, qk_scale, cap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _fwd_scores(b_q, b_k, qk_scale, cap, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    """(scores, the scale exp2's FMA still applies) of a key block, for both forwards. Without SOFTCAP the
+    scores stay raw and the scale enters through the max (qk_scale > 0, so max(s) * scale is the max of
+    the scaled scores) and exp2's FMA: scaling Q would round it again."""
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # (named: aot.py reads dots by their variable)
+    if SOFTCAP:
+        b_s, _ = _scores(b_s, qk_scale, cap, SOFTCAP)
+        return b_s, 1.0
+    else:
+        return b_s, qk_scale
+
+
+@triton.jit
 def _shifted(b_s, b_t, qk_scale, b_shift, SOFTCAP: tl.constexpr):
     """``scores - shift`` for exp2 (``_scores``' pair): without SOFTCAP ``b_t`` is the raw dot product
     and the scaling is fused, ``fma(qk, scale, -shift)``: one rounding of a result that is small near
@@ -187,14 +200,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, stride_kv, o_m, lo, hi, L, qk_sca
         b_v = tl.load(p_v + o_n[:, None] * stride_kv + o_d[None, :], mask=m_kv, other=0.0)
         if MASK_CAUSAL or MASK_WINDOW:
             b_v = _finite_or_zero(b_v)  # (the score mask below replaces a masked key's NaN score)
-        # Without SOFTCAP the scores stay raw and the scale enters through the max (qk_scale > 0, so
-        # max(s) * scale is the max of the scaled scores) and exp2's FMA: scaling Q would round it again.
-        if SOFTCAP:
-            b_s, _ = _scores(tl.dot(b_q, tl.trans(b_k), input_precision=PREC), qk_scale, cap, SOFTCAP)
-            b_scale = 1.0
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-            b_scale = qk_scale
+        b_s, b_scale = _fwd_scores(b_q, b_k, qk_scale, cap, SOFTCAP=SOFTCAP, PREC=PREC)
         if MASK_WINDOW:
             b_s = tl.where(_in_window(o_m[:, None], o_n32[None, :], win_left, win_right) & (o_n32[None, :] < L32),
                            b_s, float("-inf"))

@@ -320,12 +320,15 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
                 qk_scale, sm_scale, cap, win_left, win_right, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_T: tl.constexpr,
                 PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, FINITE_QDO: tl.constexpr,
-                TMA: tl.constexpr, MASK_CAUSAL: tl.constexpr = False, MASK_WINDOW: tl.constexpr = False):
+                TMA: tl.constexpr, MASK_CAUSAL: tl.constexpr = False, MASK_LEN: tl.constexpr = False,
+                MASK_WINDOW: tl.constexpr = False):
     """Accumulate dK, dV of one key block over query rows [lo, hi) of one head, on
     transposed scores [keys, queries] so no tile is transposed twice. Query rows past the
     sequence end read q = dO = 0 and lse = +inf: their probabilities are exactly 0, no
     score mask needed for the length. ``ATOMIC_DQ``: also add this key block's share of dQ,
-    dS @ K * scale, into the fp32 buffer ``p_dq`` (rows of this head) with atomics."""
+    dS @ K * scale, into the fp32 buffer ``p_dq`` (rows of this head) with atomics; key rows
+    past the end (k = 0, score 0) then need their P masked (MASK_LEN, and in MASK_WINDOW), since
+    exp2(0 - lse) overflows the 16-bit dS for a query with lse < -16 and inf * (k = 0) is NaN."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     L32 = L.to(tl.int32)
@@ -353,9 +356,13 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
         b_pt = _exp2_shifted(b_st, b_tt, qk_scale, b_lse[None, :], SOFTCAP)
         if MASK_WINDOW:
             m_att = _in_window(o_m32[None, :], o_n[:, None], win_left, win_right)
-        else:
+            if ATOMIC_DQ:  # (a right window reaches past the end; keys < L only matter for dQ)
+                m_att = m_att & (o_n[:, None] < L32)
+        elif MASK_CAUSAL:  # (keys >= L are after every query < L)
             m_att = o_m32[None, :] >= o_n[:, None]
-        if MASK_CAUSAL or MASK_WINDOW:
+        else:
+            m_att = o_n[:, None] < L32
+        if MASK_CAUSAL or MASK_LEN or MASK_WINDOW:
             b_pt = tl.where(m_att, b_pt, 0.0)
         # (q, k, v and dO share one dtype; p_q / p_do may be descriptors)
         b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
@@ -460,7 +467,16 @@ def _varlen_attention_bwd_dkdv_kernel(
                     win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
                     BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_CAUSAL=True)
-            if not (IS_CAUSAL and FINITE_QDO):
+            # Not causal, with atomic dQ: the sequence's last key block, if partial, masks its padded keys
+            # (a second instantiation, so whole blocks pay nothing). Causal: such a block has mid = L.
+            if ATOMIC_DQ and not IS_CAUSAL and (i_q + 1) * BLOCK_N > L_q:
+                b_dk, b_dv = _dkdv_inner(
+                    b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
+                    lo=mid, hi=L_q, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
+                    win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                    BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
+                    FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_LEN=True)
+            elif not (IS_CAUSAL and FINITE_QDO):
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                     lo=mid, hi=L_q, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,

@@ -1,4 +1,4 @@
-"""dapo-tune's memory model (dapo_trainer.tools.memory_model.train_memory) against the peak measured on the CPU.
+"""dapo-tune's memory model (dapo_trainer.memory_model.train_memory) against the peak measured on the CPU.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_memory_model.py`` (prints the table of RESULTS.md; about
 a minute) or through pytest (the within-15% check).
@@ -92,7 +92,7 @@ def run_case(size, tokens) -> int:
 
 
 def table():
-    from dapo_trainer.tools.memory_model import train_memory
+    from dapo_trainer.memory_model import train_memory
 
     rows = []
     for size in SIZES:

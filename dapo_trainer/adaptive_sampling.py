@@ -27,6 +27,8 @@ from dapo_kernels.dynamic_sampling import KeepRateEstimator, adaptive_gen_batch_
 
 from .config.choices import ThresholdSchedule as ScheduleKind
 from .config.choices import choices
+from .hf_io import read_hf_config
+from .memory_model import DTYPE_BYTES, kv_bytes_per_token, rollout_memory
 
 logger = logging.getLogger(__name__)
 # Below this estimated keep rate a step warns even when max_num_gen_batches is unlimited.
@@ -46,10 +48,8 @@ def gen_size_ceiling(model_cfg, *, memory_bytes: float, fraction: float, n: int,
                      tp: int = 1, dp: int = 1) -> int:
     """The most prompts a generation batch may hold: each replica samples its ``1 / dp`` share at once,
     holding the KV cache of ``n`` sequences of ``seq_len`` tokens per prompt
-    (:func:`dapo_trainer.tools.memory_model.rollout_memory`) next to the rollout weights, within
+    (:func:`dapo_trainer.memory_model.rollout_memory`) next to the rollout weights, within
     ``fraction`` (``rollout.gpu_memory_utilization``) of the device's memory. At least ``dp``."""
-    from .tools.memory_model import kv_bytes_per_token, rollout_memory
-
     weights = rollout_memory(model_cfg, 0, seq_len, dtype_bytes=dtype_bytes, tp=tp)["weights"]
     per_prompt = n * seq_len * kv_bytes_per_token(model_cfg, dtype_bytes, tp)
     per_replica = int(max(memory_bytes * fraction - weights, 0) // per_prompt)
@@ -59,9 +59,6 @@ def gen_size_ceiling(model_cfg, *, memory_bytes: float, fraction: float, n: int,
 def memory_ceiling(cfg, dims) -> int:
     """:func:`gen_size_ceiling` of the run: its model's ``config.json``, the device of ``dims``, the
     rollout's TP (vLLM's own, else the actor's) and ``rollout.gpu_memory_utilization``."""
-    from .hf_io import read_hf_config
-    from .tools.memory_model import DTYPE_BYTES
-
     arr, d = cfg.actor_rollout_ref, cfg.data
     tp = arr.rollout.tensor_model_parallel_size if arr.rollout.name == "vllm" else dims.tp
     return gen_size_ceiling(read_hf_config(arr.model.path), memory_bytes=device_memory_bytes(dims.comm_device),

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import dapo_kernels as dk
 
 from . import data as data_mod
-from . import dialogue, rewards
+from . import dialogue, rewards, rollout_dump
 from .adaptive_sampling import SamplingController, memory_ceiling, round_counts, short_batch_groups
 from .parallel import ParallelDims
 from .rollout.multiturn import multi_turn_rollout
@@ -389,12 +389,10 @@ class GenerationStage:
         return batch, metrics
 
     def _dump_rollouts(self, step: int, gbs: List[dict]) -> None:
-        """Write ``trainer.rollout_data_dir/{step}.jsonl`` (format: :mod:`dapo_trainer.tools.batch_quality`)."""
-        from .tools import batch_quality
-
+        """Write ``trainer.rollout_data_dir/{step}.jsonl`` (format: :mod:`dapo_trainer.rollout_dump`)."""
         t, n = self.cfg.trainer, self.rollout_cfg.n
         rows = []
-        picks = batch_quality.spread_groups([len(gb["keep"]) // n for gb in gbs], n, t.rollout_data_max_rows)
+        picks = rollout_dump.spread_groups([len(gb["keep"]) // n for gb in gbs], n, t.rollout_data_max_rows)
         for k, g in picks:
             gb = gbs[k]
             x = gb["tensors"]
@@ -409,4 +407,4 @@ class GenerationStage:
                              "score": float(x["score"][j]), "acc": float(x["acc"][j]),
                              "reward": float(x["reward"][j]), "filter_metric": float(gb["metric"][j]),
                              "components": comps, "kept": bool(gb["keep"][j])})
-        batch_quality.write_step(t.rollout_data_dir, step, rows)
+        rollout_dump.write_step(t.rollout_data_dir, step, rows)

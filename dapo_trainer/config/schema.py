@@ -270,7 +270,7 @@ class TrainerConfig:
     logger: List[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     progress_bar: bool = True
     # verl's key: a directory where every step writes its sampled rollouts as {step}.jsonl (None: off);
-    # read by ``dapo-report RUN_DIR --analysis batch_quality`` (dapo_trainer.batch_quality).
+    # read by ``dapo-report RUN_DIR --analysis batch_quality`` (format: dapo_trainer.rollout_dump).
     rollout_data_dir: Optional[str] = None
     # Rows per step in that dump: whole groups, spread over the step's generation batches.
     rollout_data_max_rows: int = setting(64, range=POSITIVE)

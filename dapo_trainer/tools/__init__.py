@@ -1,11 +1,12 @@
-"""Diagnostics around a training run, each a console script or read by one.
+"""Diagnostics around a training run, each a console script or read by one. They sit above the
+trainer: they may import it, nothing outside ``tools/`` and the demos imports them.
 
 * :mod:`.report` (``dapo-report``): an HTML page of plots from a run's ``metrics.jsonl``;
-* :mod:`.batch_quality`: the trainer's rollout dumps and the report's batch-quality section;
+* :mod:`.batch_quality`: the report's batch-quality section, read from the trainer's rollout dumps
+  (written by :mod:`dapo_trainer.rollout_dump`);
 * :mod:`.profiler` (``dapo-profile``): where a step's time goes, with findings;
-* :mod:`.tune` (``dapo-tune``): a config for a task, a machine and a model;
-* :mod:`.memory_model`: the per-device memory ``dapo-tune`` plans with.
+* :mod:`.tune` (``dapo-tune``): a config for a task, a machine and a model, planned with the
+  per-device memory of :mod:`dapo_trainer.memory_model`.
 
-Nothing is imported here: the trainer imports :mod:`.batch_quality` and :mod:`.profiler` imports the
-trainer, so eager imports would make a cycle.
+Nothing is imported here, so a console script loads only its own module.
 """

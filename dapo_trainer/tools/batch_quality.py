@@ -1,24 +1,13 @@
-"""Rollout dumps (``trainer.rollout_data_dir``) and the batch-quality analysis of ``dapo-report``.
+"""The batch-quality analysis of ``dapo-report``, read from the trainer's rollout dumps.
 
-The trainer writes, per step, ``ROLLOUT_DIR/{step}.jsonl`` (verl's file name): at most
-``trainer.rollout_data_max_rows`` rows, whole prompt groups spread evenly over the step's
-generation batches, one JSON object per response:
-
-``step, gen_batch, group`` (index of the prompt in its generation batch), ``sample`` (index in
-the group), ``prompt``, ``response`` (decoded text), ``response_ids``, ``response_length``,
-``finish_reason`` ("stop" | "length"), ``score`` (the reward function's), ``acc``, ``reward``
-(score + overlong penalty: what the advantages are computed from), ``filter_metric``,
-``components`` (the reward function's dict; ``{}`` for responses another data-parallel replica
-sampled), ``kept`` (the group passed the dynamic-sampling filter).
-
-:func:`flag_rows` applies the rules of :data:`RULES`; :func:`write_analysis` draws the PNG
-panels and returns the HTML section.
+The dump's format and writer are :mod:`dapo_trainer.rollout_dump`. :func:`load_rollouts` reads
+a dump directory, :func:`flag_rows` applies the rules of :data:`RULES`; :func:`write_analysis`
+draws the PNG panels and returns the HTML section.
 """
 from __future__ import annotations
 
 import glob
 import html
-import json
 import math
 import os
 from collections import Counter, defaultdict
@@ -40,27 +29,6 @@ RULES = {
                       f"{OUTLIER_Z:g} x the group's standard deviation (population, > 0)",
     "identical_group": "every response of the group (at least 2 dumped) is token for token the same",
 }
-
-
-# --------------------------------------------------------------------------- dump (trainer side)
-def spread_groups(groups_per_batch: Sequence[int], n: int, max_rows: int) -> List[tuple]:
-    """``(gen batch, group)`` pairs to dump: at most ``max_rows // n`` groups (at least one), evenly
-    strided over all groups of the step in arrival order, so every generation batch is sampled."""
-    total = sum(groups_per_batch)
-    want = min(total, max(1, max_rows // n))
-    flat = [(k, g) for k, b in enumerate(groups_per_batch) for g in range(b)]
-    return [flat[i * total // want] for i in range(want)]
-
-
-def write_step(rollout_dir: str, step: int, rows: List[dict]) -> str:
-    """``rollout_dir/{step}.jsonl``, replaced atomically (a resumed step overwrites its file)."""
-    os.makedirs(rollout_dir, exist_ok=True)
-    path = os.path.join(rollout_dir, f"{step}.jsonl")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
-    return path
 
 
 # What the analysis reads of every row: name -> (types, what it is).

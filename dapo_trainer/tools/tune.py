@@ -4,7 +4,7 @@
 --model PATH [--dataset PATH] [--profile profile.json] [--output FILE]``
 
 PATH is a HF model directory of which only ``config.json`` is read (a 7B or 32B model is planned
-without its weights). The memory side rests on :mod:`dapo_trainer.tools.memory_model`; the batch side on
+without its weights). The memory side rests on :mod:`dapo_trainer.memory_model`; the batch side on
 the expected keep rate of dynamic sampling (the profile's measured one when given, else a prior per
 task) and, with ``--dataset``, the prompts' length distribution (tokens when the model directory
 has a tokenizer, else characters / 3.5). The YAML loads with ``--config`` in the trainer; model and
@@ -23,7 +23,7 @@ import yaml
 
 from ..readers import read_json
 from . import _cli
-from .memory_model import DTYPE_BYTES, Parallel, kv_bytes_per_token, rollout_memory, train_memory
+from ..memory_model import DTYPE_BYTES, Parallel, kv_bytes_per_token, rollout_memory, train_memory
 
 GIB = 1 << 30
 

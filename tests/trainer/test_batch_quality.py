@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from dapo_trainer import rollout_dump
 from dapo_trainer.tools import batch_quality, report
 from dapo_trainer.config import load_config
 from dapo_trainer.trainer import DAPOTrainer
@@ -39,8 +40,8 @@ def test_flag_rules_on_crafted_rollout(tmp_path):
         _row(2, 2, 0, [7], 0.0, gen_batch=1), _row(2, 2, 1, [8], 0.0, gen_batch=1),
     ]
     d = tmp_path / "rollouts"
-    batch_quality.write_step(str(d), 2, [r for r in rows if r["step"] == 2])
-    batch_quality.write_step(str(d), 1, [r for r in rows if r["step"] == 1])
+    rollout_dump.write_step(str(d), 2, [r for r in rows if r["step"] == 2])
+    rollout_dump.write_step(str(d), 1, [r for r in rows if r["step"] == 1])
     loaded = batch_quality.load_rollouts(str(d))
     assert loaded == rows  # ordered by step, all fields round-trip
     got = {(r["row"]["step"], r["row"]["gen_batch"], r["row"]["group"], r["row"]["sample"]): set(r["flags"])
@@ -52,9 +53,9 @@ def test_flag_rules_on_crafted_rollout(tmp_path):
 
 
 def test_spread_groups_samples_every_generation_batch():
-    assert batch_quality.spread_groups([4, 4, 4], n=8, max_rows=24) == [(0, 0), (1, 0), (2, 0)]
-    assert batch_quality.spread_groups([2], n=8, max_rows=64) == [(0, 0), (0, 1)]
-    assert batch_quality.spread_groups([3], n=8, max_rows=4) == [(0, 0)]  # at least one whole group
+    assert rollout_dump.spread_groups([4, 4, 4], n=8, max_rows=24) == [(0, 0), (1, 0), (2, 0)]
+    assert rollout_dump.spread_groups([2], n=8, max_rows=64) == [(0, 0), (0, 1)]
+    assert rollout_dump.spread_groups([3], n=8, max_rows=4) == [(0, 0)]  # at least one whole group
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import dapo_trainer
 from dapo_trainer.model import ModelConfig, Transformer
 from dapo_trainer.parallel.pipeline import split_model
 from dapo_trainer.tools import tune
-from dapo_trainer.tools.memory_model import Parallel, in_flight, stage_memory, stage_params, train_memory
+from dapo_trainer.memory_model import Parallel, in_flight, stage_memory, stage_params, train_memory
 
 PRESETS = os.path.join(os.path.dirname(dapo_trainer.__file__), "configs", "presets")
 

@@ -21,7 +21,7 @@ from dapo_trainer.config import load_config
 from dapo_trainer.parallel import tp_shard_dims, unshard
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.parallel.pipeline import split_model, stage_keep, stage_layers
-from dapo_trainer.tools.memory_model import stage_params
+from dapo_trainer.memory_model import stage_params
 from dapo_trainer.trainer import DAPOTrainer
 from tests.helpers import spawn_process_group
 from tests.trainer.tiny import micro_setup, write_tiny_model

@@ -97,6 +97,7 @@ def test_exhausted_sampling_counts_groups_dropped_for_environment_errors(tmp_pat
 
 
 def test_report_says_why_carried_over_steps_have_no_dump(tmp_path):
+    from dapo_trainer import rollout_dump
     from dapo_trainer.tools import batch_quality
     import matplotlib
 
@@ -104,9 +105,9 @@ def test_report_says_why_carried_over_steps_have_no_dump(tmp_path):
     import matplotlib.pyplot as plt
 
     dump = tmp_path / "rollouts"
-    batch_quality.write_step(str(dump), 1, [{"step": 1, "gen_batch": 0, "group": 0, "sample": 0, "kept": True,
-                                             "reward": 1.0, "response_length": 3, "finish_reason": "stop",
-                                             "prompt": "1+1=", "response": "2"}])
+    rollout_dump.write_step(str(dump), 1, [{"step": 1, "gen_batch": 0, "group": 0, "sample": 0, "kept": True,
+                                            "reward": 1.0, "response_length": 3, "finish_reason": "stop",
+                                            "prompt": "1+1=", "response": "2"}])
     metrics = [{"step": 1, "train/num_gen_batches": 1}, {"step": 2, "train/num_gen_batches": 0}]
     _, html = batch_quality.write_analysis(plt, str(dump), metrics, str(tmp_path))
     assert "Steps 2 trained only on groups carried over" in html

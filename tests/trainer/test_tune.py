@@ -101,7 +101,7 @@ def test_memory_model_matches_cpu_peak():
     spec = importlib.util.spec_from_file_location("bench_memory_model", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from dapo_trainer.tools.memory_model import train_memory
+    from dapo_trainer.memory_model import train_memory
 
     for size in bench.SIZES[:2]:
         for tokens in bench.TOKENS:
@@ -126,7 +126,7 @@ def test_pipeline_suggested_where_tp_x_fsdp_cannot_fit(tmp_path):
     pipeline stages x FSDP 4 fit, and the reason gives both layouts' per-device memory."""
     from dapo_trainer.hf_io import write_hf_config
     from dapo_trainer.model import ModelConfig
-    from dapo_trainer.tools.memory_model import Parallel, train_memory
+    from dapo_trainer.memory_model import Parallel, train_memory
 
     cfg = ModelConfig(vocab_size=128256, hidden_size=6400, intermediate_size=19200, num_layers=16, num_heads=50,
                       num_kv_heads=5, head_dim=128, max_position_embeddings=8192)

@@ -1,4 +1,5 @@
-"""Per-device memory of a DAPO step with this trainer: what ``dapo-tune`` plans with.
+"""Per-device memory of a DAPO step with this trainer: what ``dapo-tune`` plans with and what bounds
+adaptive sampling's generation batch (:func:`dapo_trainer.adaptive_sampling.gen_size_ceiling`).
 
 :func:`train_memory` counts, for one rank of the update (bytes):
 
@@ -53,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from ..model import ModelConfig
+from .model import ModelConfig
 
 LOSS_CHUNK_BYTES = 64 << 20  # dapo_kernels' TORCH_CHUNK_BYTES: the fused loss' fp32 logits per chunk
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

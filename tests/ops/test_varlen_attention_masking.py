@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dapo_kernels as dk
 from dapo_kernels.flash_attn_compat import flash_attn_varlen_func
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import backend, cu_seqlens_from

@@ -21,9 +21,10 @@ import torch.distributed as dist
 import dapo_kernels as dk
 
 from . import data as data_mod
-from . import dialogue, rewards, rollout_dump
+from . import rewards, rollout_dump
 from .adaptive_sampling import SamplingController, memory_ceiling, round_counts, short_batch_groups
 from .parallel import ParallelDims
+from .rewards import dialogue
 from .rollout.multiturn import multi_turn_rollout
 
 # The accumulator's statistics of a step, under the trainer's metric names.
@@ -293,7 +294,7 @@ class GenerationStage:
         timing["timing_s/gen"] += time.perf_counter() - t0
         t2 = time.perf_counter()
         algo = self.cfg.algorithm
-        metric = dialogue.binarize(s.filter_metric, self.sampling.threshold.value(step))
+        metric = rewards.binarize(s.filter_metric, self.sampling.threshold.value(step))
         adv = dk.group_filter(s.reward, group_size=n, norm_adv_by_std=algo.norm_adv_by_std_in_grpo).check()
         if algo.filter_groups.enable:
             keep = dk.group_filter(metric, group_size=n).check().keep

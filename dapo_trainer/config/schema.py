@@ -213,7 +213,7 @@ class OverlongBufferConfig:
 
 @dataclass
 class DialogueRewardConfig:
-    """``reward_model.dialogue.*``: how a multi-turn conversation is scored (dapo_trainer.dialogue)."""
+    """``reward_model.dialogue.*``: how a multi-turn conversation is scored (dapo_trainer.rewards.dialogue)."""
 
     # {component: weight}: score = sum of weight * component; {}: the "score" component, else the sum.
     weights: Dict[str, float] = setting(default_factory=dict, range=ANY)

@@ -1,5 +1,6 @@
-"""Rewards: the built-in checkers (:mod:`.verifiers`), a user's reward function loaded by path, and
-the dialogue scorers (:mod:`.scorers`, imported on its own: it needs torch).
+"""Rewards: the built-in checkers (:mod:`.verifiers`), a user's reward function loaded by path, the
+filter metric as the keep rule sees it (:func:`binarize`), and, each imported on its own, the
+dialogue reward (:mod:`.dialogue`) and its scorers (:mod:`.scorers`, which needs torch).
 
 A reward function has verl's custom-reward signature
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` and returns a float or a
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Callable, Dict, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -26,12 +27,16 @@ from .verifiers import (
     normalize_answer,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "math_compute_score",
     "arithmetic_compute_score",
     "default_compute_score",
     "load_reward_fn",
     "check_reward",
+    "binarize",
     "MAX_ABS_REWARD",
     "extract_final_answer",
     "normalize_answer",
@@ -100,3 +105,16 @@ def check_reward(value, *, fn_name: str, sample_index: int, row_index: int) -> T
         else:
             comps[key] = _real(v, f"{where}: the reward's [{key!r}]")
     return comps["score"], comps
+
+
+def binarize(metric: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
+    """``metric >= threshold`` as 0. / 1. (float64); ``metric`` itself when ``threshold`` is None.
+
+    The filter metric (``algorithm.filter_groups.metric``: ``acc``; ``score`` / ``seq_reward``, the
+    score; ``seq_final_reward``, the score after the overlong penalty; a mapping, that weighted mix of
+    reward components) passes through this on every step before DAPO's keep rule: with
+    ``reward_threshold`` set, a group is kept exactly when some of its responses pass the threshold
+    and some do not, and groups whose metrics differ but all lie on one side of it are dropped."""
+    if threshold is None:
+        return metric
+    return (metric >= threshold).double()

@@ -8,7 +8,8 @@ import torch
 
 import dapo_kernels as dk
 from dapo_trainer.config import load_config
-from dapo_trainer.dialogue import binarize, score_dialogues
+from dapo_trainer.rewards import binarize
+from dapo_trainer.rewards.dialogue import score_dialogues
 from dapo_trainer.rollout.multiturn import Conversation, MultiTurnOutput
 from dapo_trainer.rewards.scorers import NgramEmbedder, coherence, relevance
 

@@ -1,4 +1,4 @@
-"""Dialogue rewards: a score plus named components per conversation, and the filter rules.
+"""Dialogue rewards: a score plus named components per conversation.
 
 A conversation's components are the environment's (summed over its steps) plus those of
 the configured scorers (``reward_model.dialogue.scorers``), e.g. ``relevance`` and
@@ -13,22 +13,14 @@ once. Its score is, in order of precedence:
 3. the ``score`` component, else the sum of all components.
 
 ``acc`` is the ``acc`` component when there is one, else ``score > 0``.
-
-Filtering (``algorithm.filter_groups``): the metric (``seq_reward``: the score;
-``seq_final_reward``: the score after the overlong penalty; a mapping: that weighted mix of
-components) is, when ``reward_threshold`` is set, binarised to ``metric >= threshold`` before
-DAPO's keep rule. A group is then kept exactly when some of its dialogues pass the threshold
-and some do not; groups whose metrics differ but all lie on one side of it are dropped.
 """
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-import torch
+from . import check_reward
 
-from .rewards import check_reward
-
-__all__ = ["score_dialogues", "binarize"]
+__all__ = ["score_dialogues"]
 
 
 def score_dialogues(out, rows: Sequence[dict], *, reward_fn: Optional[Callable] = None,
@@ -75,11 +67,4 @@ def score_dialogues(out, rows: Sequence[dict], *, reward_fn: Optional[Callable] 
         scores.append(score)
         accs.append(float(cm["acc"]) if "acc" in cm else float(score > 0))
     return scores, accs, comps
-
-
-def binarize(metric: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
-    """``metric >= threshold`` as 0. / 1. (float64); ``metric`` itself when ``threshold`` is None."""
-    if threshold is None:
-        return metric
-    return (metric >= threshold).double()
 

@@ -84,7 +84,7 @@ class Allowed:
 
 
 _F32_DP_SPILLS = (
-    "fp32 backward: dP = dO V^T is summed in fp64 (exact products; varlen_attention._DELTA_DTYPES: its "
+    "fp32 backward: dP = dO V^T is summed in fp64 (exact products; varlen_attention.lse.delta_dtype: its "
     "fp32 rounding did not cancel against delta where a query sees one key, 2.9x torch's error); the fp64 "
     "mma operands and accumulator spill 8-3056 B in most fp32 dK/dV and dQ tiles (D=256 most). "
     "Correctness first: fp32 attention is not the GPU training path (16-bit inputs are, unchanged)")

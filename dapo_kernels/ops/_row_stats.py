@@ -206,7 +206,9 @@ def set_exact_entries(dz: torch.Tensor, lab: torch.Tensor, rows, g_lp, g_ent, in
 
 
 # --------------------------------------------------------------------------- torch backend
-def chunk_rows(n_cols: int, n_rows: int, n_buffers: int = 1) -> int:
+def torch_chunk_rows(n_cols: int, n_rows: int, n_buffers: int = 1) -> int:
+    """Rows of one torch-backend token chunk: ``n_buffers`` fp32 ``[rows, n_cols]`` buffers within
+    TORCH_CHUNK_BYTES (the GPU backend sizes its own: ``linear_log_probs.chunk_rows``)."""
     return max(1, min(n_rows, TORCH_CHUNK_BYTES // (4 * n_buffers * max(n_cols, 1))))
 
 
@@ -218,7 +220,7 @@ def token_chunks(hidden: torch.Tensor, n_cols: int, two_buffers: bool):
     CPU costs as much as an elementwise pass; reused buffers stay resident.
     """
     n = hidden.shape[0]
-    step = chunk_rows(n_cols, n, 2 if two_buffers else 1)
+    step = torch_chunk_rows(n_cols, n, 2 if two_buffers else 1)
     z_buf = torch.empty((min(step, n), n_cols), dtype=torch.float32, device=hidden.device)
     e_buf = torch.empty_like(z_buf) if two_buffers else z_buf
     for r0 in range(0, n, step):

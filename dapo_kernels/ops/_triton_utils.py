@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from .._registry import triton_interpreted
 
@@ -10,6 +11,8 @@ from .._registry import triton_interpreted
 # interpreter path can avoid what the 3.9 interpreter gets wrong (bf16 tl.dot multiplies
 # raw bits; upcasting dot operands to fp32 is exact since bf16 products fit fp32).
 INTERPRET: bool = triton_interpreted()
+# The Triton dtype of each float input dtype the kernels load.
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def next_pow2(n: int) -> int:

@@ -25,7 +25,7 @@ from .._registry import dispatch, register
 from ._row_stats import (ARG, ENT, LOGP, LSE, NUM_ROWS, NUM_STATS, accumulate_grads, all_reduce, chunk_dlogits,
                          chunk_stats, check_linear_inputs, exact_dlogits, grad_buffers, live_rows,
                          logits, row_results, set_exact_entries, token_chunks)
-from ._triton_utils import INTERPRET, cdiv, next_pow2
+from ._triton_utils import INTERPRET, TL_DTYPES, cdiv, next_pow2
 
 # GPU row chunk: its fp32 logits [C, V] (dz written over them) take at most this, so the workspace
 # (workspace_bytes) stays under 1 GB at N = 16k, H = 4096, V = 152k (NOTES_fused_loss.md).
@@ -37,7 +37,6 @@ _CHUNK_ALIGN = 128
 _ROWS_PER_PROGRAM = 16 if INTERPRET else 1
 _MAX_BLOCK_V = 1024 if INTERPRET else 4096
 _NUM_WARPS = 8
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 # --------------------------------------------------------------------------- kernels
@@ -170,7 +169,8 @@ def _grads_torch(hidden, weight, labels, inv_temp, vocab_start, rows, g_lp, g_en
 
 # --------------------------------------------------------------------------- triton backend
 def chunk_rows(n: int, v: int) -> int:
-    """Rows of one GPU chunk: fp32 logits of at most _CHUNK_BYTES, a multiple of _CHUNK_ALIGN when possible."""
+    """Rows of one GPU chunk of ``n`` tokens over a ``v``-wide vocab shard: fp32 logits of at most
+    _CHUNK_BYTES, a multiple of _CHUNK_ALIGN when possible (the torch backend's: ``torch_chunk_rows``)."""
     rows = _CHUNK_BYTES // (4 * max(v, 1))
     if rows >= _CHUNK_ALIGN:
         rows = rows // _CHUNK_ALIGN * _CHUNK_ALIGN
@@ -247,7 +247,7 @@ def dlogits_triton(z, labels, rows, g_lp, g_ent, inv_temp: float, vocab_start: i
                 *(d.float().contiguous() for d in exact_dlogits(rows, g_lp, g_ent, inv_temp))]
         bm, bv = _tiles(v)
         _logits_grad_kernel[(cdiv(c, bm),)](z, labels.contiguous(), *args, c, v, z.stride(0), z.stride(0) * 4 // item,
-                                            vocab_start, inv_temp, DZ=_TL_DTYPES[dtype], BLOCK_M=bm, BLOCK_V=bv,
+                                            vocab_start, inv_temp, DZ=TL_DTYPES[dtype], BLOCK_M=bm, BLOCK_V=bv,
                                             num_warps=_NUM_WARPS)
     return z if dtype == torch.float32 else z.view(dtype)[:, :v]
 

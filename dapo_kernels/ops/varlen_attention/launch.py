@@ -8,8 +8,8 @@ import triton.language as tl
 from ..._alloc import empty_output
 from ..._cache import per_tensor_cache
 from ..._registry import register
-from .._triton_utils import INTERPRET, cdiv
-from .lse import lse_dtype
+from .._triton_utils import INTERPRET, TL_DTYPES, cdiv
+from .lse import delta_dtype, lse_dtype
 from .tiles import (_GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _dkdv_tma, _kernel_row, _outer_block,
                     _tile_dim)
 from .triton_fwd_tma import _varlen_attention_fwd_hopper_kernel, ensure_allocator, tma_offered
@@ -24,11 +24,6 @@ _LOG2E = 1.4426950408889634
 # Elements of the delta preprocess per program ([rows, D] tiles of O and dO, fp64, 8 warps): few
 # enough rows that the fp64 tiles do not spill.
 _DELTA_ELEMS = 4096
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-# delta's dtype per input dtype. dS = P (dP - delta) cancels where a query's probability sits on one
-# key, so for fp32 inputs (DP_F64) dP is summed in fp64 and delta stays fp64, leaving no fp32 rounding
-# in the difference; 16-bit inputs' own rounding dwarfs the term (NOTES.md, "fp64 dP for fp32 inputs").
-_DELTA_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 
 
 def _dtype_meta(dtype: torch.dtype) -> dict:
@@ -36,7 +31,7 @@ def _dtype_meta(dtype: torch.dtype) -> dict:
     interpreter, whose 3.9 version multiplies raw bits of 16-bit dot operands; exact since
     16-bit products fit fp32), PREC keeps fp32 attention IEEE instead of silently TF32, and
     INTERPRET selects the bf16 rounding fix of ``_cast``."""
-    return dict(DOT_T=tl.float32 if INTERPRET else _TL_DTYPES[dtype],
+    return dict(DOT_T=tl.float32 if INTERPRET else TL_DTYPES[dtype],
                 PREC="ieee" if dtype == torch.float32 else "tf32", INTERPRET=INTERPRET)
 
 
@@ -128,7 +123,7 @@ def _launch_delta(out: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, finite
     """``(delta, q, dout)``; with ``finite_qdo`` the q and dout returned are copies whose non-finite
     entries read 0 (for the dK/dV kernel's FINITE_QDO)."""
     T, Hq, D = out.shape
-    delta = empty_output((Hq, T), dtype=_DELTA_DTYPES[out.dtype], device=out.device)
+    delta = empty_output((Hq, T), dtype=delta_dtype(out.dtype), device=out.device)
     q_f, do_f = (torch.empty_like(q), torch.empty_like(dout)) if finite_qdo else (q, dout)
     rows = min(32, _DELTA_ELEMS // _block_d(D))
     _varlen_attention_bwd_delta_kernel[(cdiv(T * Hq, rows),)](
@@ -159,7 +154,7 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     if tma:
         ensure_allocator()
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
-    meta["DP_F64"] = _DELTA_DTYPES[q.dtype] is torch.float64
+    meta["DP_F64"] = delta_dtype(q.dtype) is torch.float64
     scales = (qk_scale, softmax_scale, *masking)
     atomic = not deterministic and _atomic_dq_offered(q.dtype, D, flags["SOFTCAP"])
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.

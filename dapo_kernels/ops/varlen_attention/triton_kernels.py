@@ -366,7 +366,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
             b_pt = tl.where(m_att, b_pt, 0.0)
         # (q, k, v and dO share one dtype; p_q / p_do may be descriptors)
         b_dv += tl.dot(_cast(b_pt, p_v.dtype.element_ty, INTERPRET).to(DOT_T), b_do, input_precision=PREC)
-        if DP_F64:  # dP - delta in fp64, then fp32 (launch._DELTA_DTYPES)
+        if DP_F64:  # dP - delta in fp64, then fp32 (lse.delta_dtype)
             b_dpt = _dot_f64(p_v, o_n.to(tl.int64) * stride_kv, o_n < L32, p_do, o_m * stride_q, m_row,
                              MASK_CAUSAL or MASK_WINDOW, HEAD_DIM, BLOCK_D, b_k.shape[0], BLOCK_M) - b_delta[None, :]
         elif TMA:  # delta loaded only now (held across the S^T and dV products it spilled), dP accumulated

@@ -1,7 +1,8 @@
 """Imports go one way: dapo_kernels (bottom) <- npu_ops <- dapo_trainer, with no cycle.
 
 The static imports of every module of the three packages (module level and inside functions,
-relative ones resolved) form a graph; the test fails on
+relative ones resolved) form a graph, so without a cycle no import needs to sit inside a function to
+dodge one; the test fails on
 
 * an upward edge (dapo_kernels -> npu_ops or dapo_trainer, npu_ops -> dapo_trainer);
 * npu_ops importing anything of dapo_kernels but ``dapo_kernels.backend_api`` (the backend contract);

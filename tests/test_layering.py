@@ -192,7 +192,7 @@ def test_no_package_import_cycle():
 
 
 def test_tools_sit_above_the_trainer():
-    """Only tools/ and the demos import dapo_trainer.tools; the trainer's loop never reaches it."""
+    """Only tools/ and the demos (entry points above the trainer) import dapo_trainer.tools."""
     edges = _graph(_modules())
     above = ("dapo_trainer.tools", "dapo_trainer.demo")
     bad = sorted((a, b) for a, targets in edges.items() for b in targets

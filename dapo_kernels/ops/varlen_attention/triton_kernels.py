@@ -467,22 +467,15 @@ def _varlen_attention_bwd_dkdv_kernel(
                     win_left=win_left, win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
                     BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
                     FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_CAUSAL=True)
-            # Not causal, with atomic dQ: the sequence's last key block, if partial, masks its padded keys
-            # (a second instantiation, so whole blocks pay nothing). Causal: such a block has mid = L.
-            if ATOMIC_DQ and not IS_CAUSAL and (i_q + 1) * BLOCK_N > L_q:
+            # Not causal, with atomic dQ: padded keys masked (MASK_LEN) in the one loop; an instantiation for the
+            # last block alone spilled 144 B at D = 128. Causal: a partial key block has mid = L.
+            if not (IS_CAUSAL and FINITE_QDO):
                 b_dk, b_dv = _dkdv_inner(
                     b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
                     lo=mid, hi=L_q, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
                     win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                     BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                    FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_LEN=True)
-            elif not (IS_CAUSAL and FINITE_QDO):
-                b_dk, b_dv = _dkdv_inner(
-                    b_dk, b_dv, b_k, b_v, p_vh, stride_kv, p_qh, p_doh, p_lseh, p_deltah, p_dqh, stride_q, o_k,
-                    lo=mid, hi=L_q, L=L, qk_scale=qk_scale, sm_scale=sm_scale, cap=cap, win_left=win_left,
-                    win_right=win_right, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                    BLOCK_M=BLOCK_M, DOT_T=DOT_T, PREC=PREC, DP_F64=DP_F64, INTERPRET=INTERPRET,
-                    FINITE_QDO=FINITE_QDO, TMA=TMA)
+                    FINITE_QDO=FINITE_QDO, TMA=TMA, MASK_LEN=ATOMIC_DQ and not IS_CAUSAL)
     b_dk = _cast(b_dk * sm_scale, p_dk.dtype.element_ty, INTERPRET)
     b_dv = _cast(b_dv, p_dv.dtype.element_ty, INTERPRET)
     if TMA:  # (the prologue's scalars, held across the loops, spilled: read again from the work list)

@@ -1,7 +1,10 @@
 """Mistakes that used to fail late or deep inside (issue 40, items 14 and 15) are errors at start-up,
 before any model is built or file written, naming the dotted key or the file (and line)."""
+import re
+
 import pytest
 
+from dapo_trainer import train
 from dapo_trainer.config import load_config
 
 
@@ -13,3 +16,22 @@ def test_float16_parameters_refused_at_load_naming_the_key_and_the_way_out():
         load_config(overrides=["actor_rollout_ref.model.dtype=float16"])
     for dtype in ("bfloat16", "float32"):
         assert load_config(overrides=[f"actor_rollout_ref.model.dtype={dtype}"]).actor_rollout_ref.model.dtype == dtype
+
+
+# --------------------------------------------------------------------------- item 15: YAML syntax
+@pytest.mark.parametrize("text,line,match", [
+    ("data:\n\ttrain_batch_size: 8\n", 2, r"cannot start any token; YAML indents with spaces"),
+    ("data:\n  train_batch_size: 8\n   max_prompt_length: 4\n", 3, "mapping values are not allowed here"),
+    ("trainer:\n  seed: !!python/object/apply:os.system ['echo hi']\n", 2,
+     "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
+    ("data:\n  train_files: [a.jsonl\n", 3, "expected ',' or ']'"),
+])
+def test_yaml_syntax_errors_name_the_file_and_line(tmp_path, text, line, match):
+    """A config file with a tab, bad indentation, a python/* tag or an unclosed list is a ValueError
+    (what the CLI reports in one line) naming the file and the line, not a yaml traceback."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:{line}: not valid YAML \(.*{re.escape(match)}"):
+        load_config(str(path))
+    with pytest.raises(SystemExit, match=rf"^config error: {re.escape(str(path))}:{line}: not valid YAML"):
+        train.main(["--config", str(path)])

@@ -58,6 +58,20 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """``trainer.device`` as a torch device; a ValueError naming the key when it is not usable here."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda': CUDA is not available (torch.cuda.is_available() is False: no "
+                         f"GPU visible, or torch {torch.__version__} is a CPU build); use trainer.device=cpu or auto")
+    if name == "npu":
+        from npu_ops import torch_npu
+
+        try:
+            torch_npu()  # registers the "npu" device with torch
+        except RuntimeError as e:
+            raise ValueError(f"trainer.device='npu' cannot be used here: {e}") from None
+        if not torch.npu.is_available():
+            raise ValueError("trainer.device='npu': torch_npu sees no Ascend NPU (torch.npu.is_available() is "
+                             "False); use trainer.device=cpu or auto")
     if name != "auto":
         return torch.device(name)
     if torch.cuda.is_available():

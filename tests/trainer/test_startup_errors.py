@@ -1,11 +1,17 @@
 """Mistakes that used to fail late or deep inside (issue 40, items 14 and 15) are errors at start-up,
 before any model is built or file written, naming the dotted key or the file (and line)."""
 import re
+import sys
 
 import pytest
+import torch
 
 from dapo_trainer import train
+from dapo_trainer import trainer as trainer_mod
 from dapo_trainer.config import load_config
+from dapo_trainer.trainer import DAPOTrainer
+from npu_ops import _lazy as npu_lazy
+from tests.trainer.tiny import micro_setup
 
 
 # --------------------------------------------------------------------------- item 14: float16 weights
@@ -35,3 +41,36 @@ def test_yaml_syntax_errors_name_the_file_and_line(tmp_path, text, line, match):
         load_config(str(path))
     with pytest.raises(SystemExit, match=rf"^config error: {re.escape(str(path))}:{line}: not valid YAML"):
         train.main(["--config", str(path)])
+
+
+# --------------------------------------------------------------------------- item 15: trainer.device
+@pytest.fixture
+def no_model(monkeypatch):
+    """Building or loading a model fails the test: the error must come before."""
+    def built(*a, **k):
+        raise AssertionError("a model was built before the error")
+
+    monkeypatch.setattr(trainer_mod, "build_model", built)
+    monkeypatch.setattr(trainer_mod, "load_hf_model", built)
+
+
+def test_cuda_without_cuda_names_trainer_device_before_any_model(tmp_path, monkeypatch, no_model):
+    """trainer.device=cuda where CUDA is not available: a ValueError naming trainer.device from the
+    trainer's constructor, before any model is built; the CLI prints it as one config error line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    overrides = micro_setup(str(tmp_path)) + ["trainer.device=cuda"]
+    with pytest.raises(ValueError, match=r"^trainer.device='cuda': CUDA is not available"):
+        DAPOTrainer(load_config(overrides=overrides))
+    with pytest.raises(SystemExit, match=r"^config error: trainer.device='cuda': CUDA is not available"):
+        train.main(overrides)
+    assert not (tmp_path / "run").exists()
+
+
+def test_npu_without_torch_npu_names_trainer_device_before_any_model(tmp_path, monkeypatch, no_model):
+    """trainer.device=npu without torch_npu: a ValueError naming trainer.device and torch_npu, before
+    any model is built."""
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ModuleNotFoundError
+    monkeypatch.setattr(npu_lazy, "_error", None)
+    overrides = micro_setup(str(tmp_path)) + ["trainer.device=npu"]
+    with pytest.raises(ValueError, match=r"^trainer.device='npu' cannot be used here: .*torch_npu"):
+        DAPOTrainer(load_config(overrides=overrides))

@@ -9,6 +9,7 @@ import torch
 from dapo_trainer import train
 from dapo_trainer import trainer as trainer_mod
 from dapo_trainer.config import load_config
+from dapo_trainer.data import load_rows
 from dapo_trainer.trainer import DAPOTrainer
 from npu_ops import _lazy as npu_lazy
 from tests.trainer.tiny import micro_setup
@@ -74,3 +75,17 @@ def test_npu_without_torch_npu_names_trainer_device_before_any_model(tmp_path, m
     overrides = micro_setup(str(tmp_path)) + ["trainer.device=npu"]
     with pytest.raises(ValueError, match=r"^trainer.device='npu' cannot be used here: .*torch_npu"):
         DAPOTrainer(load_config(overrides=overrides))
+
+
+# --------------------------------------------------------------------------- item 15: parquet without pyarrow
+def test_parquet_without_pyarrow_names_the_file_and_the_package(tmp_path, monkeypatch):
+    """A .parquet data file where pyarrow is not installed: a ModuleNotFoundError naming the file,
+    pyarrow and the install command (was: import of pyarrow.parquet halted)."""
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ModuleNotFoundError, match=rf"{re.escape(str(path))}.*needs pyarrow: pip install pyarrow") as e:
+        load_rows(str(path))
+    assert e.value.name == "pyarrow"

@@ -153,6 +153,10 @@ class DAPOTrainer:
         env = envs.load_environment(ec.path, ec.name) if ec.path else None
 
         ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
+        if t.rollout_data_dir:
+            from .tools.batch_quality import check_rollout_dir
+
+            check_rollout_dir(t.rollout_data_dir)
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
         if self.resume_dir:
             check_resume_model(arr.model.path, self.resume_dir)

@@ -52,6 +52,21 @@ def spread_groups(groups_per_batch: Sequence[int], n: int, max_rows: int) -> Lis
     return [flat[i * total // want] for i in range(want)]
 
 
+def check_rollout_dir(rollout_dir: str, key: str = "trainer.rollout_data_dir") -> None:
+    """Start-up check that :func:`write_step` can write under ``rollout_dir`` (named ``key`` in the
+    ValueError): every existing part of the path is a directory, the deepest one writable."""
+    target = os.path.abspath(rollout_dir)
+    existing = target
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):  # a file, or a link to nothing, where a directory must be
+            raise ValueError(f"{key}: {existing!r} is not a directory, so rollouts cannot be written to "
+                             f"{target!r}; pick another path")
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}: the directory {existing!r} is not writable, so rollouts cannot be written to "
+                         f"{target!r}; pick another path")
+
+
 def write_step(rollout_dir: str, step: int, rows: List[dict]) -> str:
     """``rollout_dir/{step}.jsonl``, replaced atomically (a resumed step overwrites its file)."""
     os.makedirs(rollout_dir, exist_ok=True)

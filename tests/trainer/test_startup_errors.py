@@ -10,6 +10,7 @@ from dapo_trainer import train
 from dapo_trainer import trainer as trainer_mod
 from dapo_trainer.config import load_config
 from dapo_trainer.data import load_rows
+from dapo_trainer.tools import batch_quality
 from dapo_trainer.trainer import DAPOTrainer
 from npu_ops import _lazy as npu_lazy
 from tests.trainer.tiny import micro_setup
@@ -89,3 +90,27 @@ def test_parquet_without_pyarrow_names_the_file_and_the_package(tmp_path, monkey
     with pytest.raises(ModuleNotFoundError, match=rf"{re.escape(str(path))}.*needs pyarrow: pip install pyarrow") as e:
         load_rows(str(path))
     assert e.value.name == "pyarrow"
+
+
+# --------------------------------------------------------------------------- item 14: rollout_data_dir
+@pytest.mark.parametrize("blocker", ["file", "dangling_link"])
+def test_unwritable_rollout_data_dir_fails_at_start_up(tmp_path, no_model, blocker):
+    """trainer.rollout_data_dir under a file or a dangling link: a ValueError naming the key from the
+    trainer's constructor, before any model is built (was: a raw OSError when step 1 dumped)."""
+    where = tmp_path / "blocker"
+    if blocker == "file":
+        where.write_text("not a directory")
+    else:
+        where.symlink_to(tmp_path / "nowhere")
+    overrides = micro_setup(str(tmp_path)) + [f"trainer.rollout_data_dir={where}/rollouts"]
+    with pytest.raises(ValueError, match=rf"^trainer.rollout_data_dir: '{re.escape(str(where))}' is not a directory"):
+        DAPOTrainer(load_config(overrides=overrides))
+
+
+def test_check_rollout_dir_refuses_a_read_only_directory(tmp_path, monkeypatch):
+    """The nearest existing directory must be writable (os.access: root passes any mode bits, so the
+    answer is stubbed); a directory still to be created under a writable one passes."""
+    batch_quality.check_rollout_dir(str(tmp_path / "a" / "b"))
+    monkeypatch.setattr(batch_quality.os, "access", lambda path, mode: path != str(tmp_path))
+    with pytest.raises(ValueError, match=rf"trainer.rollout_data_dir: the directory '{tmp_path}' is not writable"):
+        batch_quality.check_rollout_dir(str(tmp_path / "a" / "b"))

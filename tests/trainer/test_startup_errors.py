@@ -6,10 +6,11 @@ import sys
 import pytest
 import torch
 
-from dapo_trainer import train
+from dapo_trainer import demo, train
 from dapo_trainer import trainer as trainer_mod
 from dapo_trainer.config import load_config
 from dapo_trainer.data import load_rows
+from dapo_trainer.demo import __main__ as demo_main
 from dapo_trainer.tools import batch_quality
 from dapo_trainer.trainer import DAPOTrainer
 from npu_ops import _lazy as npu_lazy
@@ -114,3 +115,23 @@ def test_check_rollout_dir_refuses_a_read_only_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_quality.os, "access", lambda path, mode: path != str(tmp_path))
     with pytest.raises(ValueError, match=rf"trainer.rollout_data_dir: the directory '{tmp_path}' is not writable"):
         batch_quality.check_rollout_dir(str(tmp_path / "a" / "b"))
+
+
+# --------------------------------------------------------------------------- item 14: demo overrides
+def test_demo_checks_its_overrides_before_the_warm_start(tmp_path, monkeypatch):
+    """python -m dapo_trainer.demo with a bad override: the error naming the key comes before the
+    warm start is built and before the seed's old run directory is removed."""
+    def warm_start(*a, **k):
+        raise AssertionError("the warm start was built before the config was checked")
+
+    monkeypatch.setattr(demo, "build_demo", warm_start)
+    old_run = tmp_path / "runs" / "seed0"
+    old_run.mkdir(parents=True)
+    (old_run / "metrics.jsonl").write_text("{}\n")
+    args = ["--cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "runs")]
+    with pytest.raises(TypeError, match=r"config key 'trainer.total_training_steps' must be int, got str 'abc'"):
+        demo_main.main(args + ["trainer.total_training_steps=abc"])
+    with pytest.raises(ValueError, match=r"config key 'actor_rollout_ref.rollout.n'"):
+        demo.run_demo(cache_dir=str(tmp_path / "cache"), run_dir=str(old_run),
+                      overrides=["actor_rollout_ref.rollout.n=0"])
+    assert (old_run / "metrics.jsonl").exists() and not (tmp_path / "cache").exists()

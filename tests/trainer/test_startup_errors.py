@@ -135,3 +135,20 @@ def test_demo_checks_its_overrides_before_the_warm_start(tmp_path, monkeypatch):
         demo.run_demo(cache_dir=str(tmp_path / "cache"), run_dir=str(old_run),
                       overrides=["actor_rollout_ref.rollout.n=0"])
     assert (old_run / "metrics.jsonl").exists() and not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- item 15: carried groups
+def test_resume_with_another_max_response_length_and_carried_groups_names_both(tmp_path):
+    """A checkpoint carrying kept groups over, resumed with another data.max_response_length (or
+    max_prompt_length): a ValueError from the constructor naming the key and both values (was: a
+    size mismatch inside the accumulator's take() at the next step); the same lengths resume."""
+    overrides = micro_setup(str(tmp_path)) + [
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_files=[]",
+        "algorithm.filter_groups.enable=false", "data.gen_batch_size=6"]  # 6 groups kept, 2 trained, 4 carried
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    more = overrides + ["trainer.total_training_steps=2"]
+    assert DAPOTrainer(load_config(overrides=more)).generation.accumulator.num_buffered_groups == 4
+    for key, old, new in (("data.max_response_length", 5, 6), ("data.max_prompt_length", 6, 7)):
+        with pytest.raises(ValueError, match=rf"^{key}={new}, but the checkpoint being resumed carries 4 kept "
+                                             rf"groups .* sampled with {key}={old}: resume with {key}={old}"):
+            DAPOTrainer(load_config(overrides=more + [f"{key}={new}"]))

@@ -2,6 +2,7 @@
 before any model is built or file written, naming the dotted key or the file (and line)."""
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -70,12 +71,16 @@ def test_cuda_without_cuda_names_trainer_device_before_any_model(tmp_path, monke
 
 
 def test_npu_without_torch_npu_names_trainer_device_before_any_model(tmp_path, monkeypatch, no_model):
-    """trainer.device=npu without torch_npu: a ValueError naming trainer.device and torch_npu, before
-    any model is built."""
+    """trainer.device=npu without torch_npu, or with torch_npu but no NPU: a ValueError naming
+    trainer.device, before any model is built."""
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ModuleNotFoundError
     monkeypatch.setattr(npu_lazy, "_error", None)
     overrides = micro_setup(str(tmp_path)) + ["trainer.device=npu"]
     with pytest.raises(ValueError, match=r"^trainer.device='npu' cannot be used here: .*torch_npu"):
+        DAPOTrainer(load_config(overrides=overrides))
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # installed, no NPU visible
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False), raising=False)
+    with pytest.raises(ValueError, match=r"^trainer.device='npu': torch_npu sees no Ascend NPU"):
         DAPOTrainer(load_config(overrides=overrides))
 
 

@@ -35,7 +35,11 @@ def _read_records(path: str) -> List[Tuple[str, object]]:
             raise ValueError(f"{path}: a .json data file must hold a list of rows")
         return [(f"{path} row {i}", rec) for i, rec in enumerate(data)]
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ModuleNotFoundError(f"data file {path!r}: reading .parquet files needs pyarrow: pip install "
+                                      "pyarrow (or pip install 'dapo-kernels[trainer]')", name="pyarrow") from None
 
         try:
             data = pq.read_table(path).to_pylist()

@@ -131,9 +131,26 @@ class GenerationStage:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
+        self._check_carried_widths(state["accumulator"])
         self.accumulator.load_state_dict(state["accumulator"])
         if "sampling" in state:  # (checkpoints from before adaptive sampling start its estimate afresh)
             self.sampling.load_state_dict(state["sampling"])
+
+    def _check_carried_widths(self, acc_state: dict) -> None:
+        """Groups carried over are padded to the lengths of the run that sampled them: they join this
+        run's train batch only at the same data.max_prompt_length and data.max_response_length."""
+        d = self.cfg.data
+        for chunk in acc_state.get("chunks") or []:
+            if not isinstance(chunk, dict):
+                continue  # the accumulator's load_state_dict names what is wrong with it
+            for key, column, want in (("data.max_prompt_length", "prompt_ids", d.max_prompt_length),
+                                      ("data.max_response_length", "response_ids", d.max_response_length)):
+                have = getattr(chunk.get(column), "shape", (0, want))[1]
+                if have != want:
+                    raise ValueError(
+                        f"{key}={want}, but the checkpoint being resumed carries {acc_state['num_buffered_groups']} "
+                        f"kept groups over to its next step, sampled with {key}={have}: resume with {key}={have}, "
+                        "or from a checkpoint that carries no group (train/carried_over_groups 0)")
 
     def seed(self, step: int, k: int) -> int:
         return stream_seed(self.cfg.trainer.seed, step, k)

@@ -19,6 +19,21 @@ import os
 from typing import List, Sequence
 
 
+def check_rollout_dir(rollout_dir: str, key: str = "trainer.rollout_data_dir") -> None:
+    """Start-up check that :func:`write_step` can write under ``rollout_dir`` (named ``key`` in the
+    ValueError): every existing part of the path is a directory, the deepest one writable."""
+    target = os.path.abspath(rollout_dir)
+    existing = target
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):  # a file, or a link to nothing, where a directory must be
+            raise ValueError(f"{key}: {existing!r} is not a directory, so rollouts cannot be written to "
+                             f"{target!r}; pick another path")
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}: the directory {existing!r} is not writable, so rollouts cannot be written to "
+                         f"{target!r}; pick another path")
+
+
 def spread_groups(groups_per_batch: Sequence[int], n: int, max_rows: int) -> List[tuple]:
     """``(gen batch, group)`` pairs to dump: at most ``max_rows // n`` groups (at least one), evenly
     strided over all groups of the step in arrival order, so every generation batch is sampled."""

@@ -32,13 +32,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        device = resolve_device(cfg.trainer.device)
     except (ValueError, TypeError, OSError) as e:
         if args.debug:
             raise
         sys.exit(f"config error: {e}")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        init_distributed(resolve_device(cfg.trainer.device))
+        init_distributed(device)
     try:
         metrics = DAPOTrainer(cfg).fit()
     finally:

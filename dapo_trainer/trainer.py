@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import envs
+from . import envs, rollout_dump
 from .actor import Actor, PipelinedActor
 from .adaptive_sampling import gen_time_share
 from .batch_metrics import batch_metrics
@@ -58,6 +58,20 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """``trainer.device`` as a torch device; a ValueError naming the key when it is not usable here."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda': CUDA is not available (torch.cuda.is_available() is False: no "
+                         f"GPU visible, or torch {torch.__version__} is a CPU build); use trainer.device=cpu or auto")
+    if name == "npu":
+        from npu_ops import torch_npu
+
+        try:
+            torch_npu()  # registers the "npu" device with torch
+        except RuntimeError as e:
+            raise ValueError(f"trainer.device='npu' cannot be used here: {e}") from None
+        if not torch.npu.is_available():
+            raise ValueError("trainer.device='npu': torch_npu sees no Ascend NPU (torch.npu.is_available() is "
+                             "False); use trainer.device=cpu or auto")
     if name != "auto":
         return torch.device(name)
     if torch.cuda.is_available():
@@ -139,6 +153,8 @@ class DAPOTrainer:
         env = envs.load_environment(ec.path, ec.name) if ec.path else None
 
         ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
+        if t.rollout_data_dir:
+            rollout_dump.check_rollout_dir(t.rollout_data_dir)
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
         if self.resume_dir:
             check_resume_model(arr.model.path, self.resume_dir)

@@ -17,6 +17,7 @@ LossAggMode = Literal[LOSS_AGG_MODES]  # type: ignore[valid-type]
 KlType = Literal[KL_TYPES]  # type: ignore[valid-type]
 
 Strategy = Literal["ddp", "fsdp2"]  # gradient all-reduce | fully sharded
+# float16 is named here so that its refusal explains itself (rules.parameters_not_float16).
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 Truncation = Literal["error", "left", "right"]
 FilterMetric = Literal["acc", "score", "seq_reward", "seq_final_reward"]

@@ -1,5 +1,7 @@
 """Defaults <- a YAML file <- ``key=value`` overrides, each value coerced to its field's type.
 
+A file that is not valid YAML (a tab, bad indentation, a ``!!python/*`` tag) is a ``ValueError``
+naming the file and line.
 A key given twice in one YAML mapping, or set twice in one file (dotted once, nested once), is a
 ``ValueError`` naming the key; a value of the wrong type is a ``TypeError`` naming the key. Unknown
 keys, and verl keys whose value asks for what is not implemented (:mod:`.verl_keys`), are collected
@@ -104,6 +106,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _yaml_load(stream):
     return yaml.load(stream, Loader=_UniqueKeyLoader)
+
+
+def _read_yaml(stream, path: str):
+    """The YAML document in ``stream``; its syntax errors (tabs, bad indentation, python/* tags
+    that SafeLoader does not construct) as a ``ValueError`` naming ``path`` and the line."""
+    try:
+        return _yaml_load(stream)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        what = getattr(e, "problem", None) or str(e)
+        if "'\\t'" in what:
+            what += "; YAML indents with spaces"
+        col = f", column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{where}: not valid YAML ({what}{col})") from None
 
 
 def _hints(cls) -> Dict[str, Any]:
@@ -298,7 +315,7 @@ def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
     if yaml_path is not None:
         stream = io.StringIO(read_text(yaml_path))  # UTF-8 checked, naming the file and line
         stream.name = yaml_path  # for the line marks of yaml's errors (duplicate keys)
-        tree = _yaml_load(stream) or {}
+        tree = _read_yaml(stream, yaml_path) or {}
         _apply_dict(cfg, tree, reading)
     for o in overrides:
         _apply_override(cfg, o, reading)

@@ -151,6 +151,15 @@ def activation_offload_needs_checkpointing(cfg: Config) -> None:
 
 
 @rule
+def parameters_not_float16(cfg: Config) -> None:
+    # AdamW steps in the parameters' dtype: float16 has no fp32 master copy or loss scaling here.
+    require(cfg.actor_rollout_ref.model.dtype != "float16", "actor_rollout_ref.model.dtype",
+            "float16 parameters are refused: AdamW's update in float16 (eps 1e-8 rounds to 0, small squared "
+            "gradients underflow) turns the weights inf / NaN at the first step; use bfloat16 (float32's range, "
+            "half the memory) or float32")
+
+
+@rule
 def two_betas(cfg: Config) -> None:
     betas = cfg.actor_rollout_ref.actor.optim.betas
     require(len(betas) == 2, f"{ACTOR}.optim.betas", f"must hold 2 floats, got {betas}")

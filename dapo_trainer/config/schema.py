@@ -262,7 +262,8 @@ class TrainerConfig:
     default_local_dir: str = "runs/dapo"
     resume_mode: ResumeMode = "auto"
     resume_from_path: Optional[str] = None
-    seed: int = 1
+    # numpy's generators (the data order) take seeds >= 0.
+    seed: int = setting(1, range=at_least(0))
     # Stop after this many steps in a row with an update skipped as non-finite.
     max_nonfinite_steps: int = setting(3, range=POSITIVE)
     device: Device = "auto"

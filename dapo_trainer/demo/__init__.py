@@ -8,6 +8,7 @@ family of sorting tasks built from the same pieces (:func:`build_demo`'s warm st
 from __future__ import annotations
 
 import os
+import warnings
 from typing import List, Optional, Sequence
 
 from .. import metrics
@@ -17,7 +18,8 @@ from .assets import DemoAssets, DemoConfig, build_demo
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 DIALOG_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "dialog_demo.yaml")
 
-__all__ = ["run_demo", "DEFAULT_CONFIG", "read_metrics", "DemoConfig", "TaskConfig", "build_demo", "DemoAssets"]
+__all__ = ["run_demo", "check_config", "DEFAULT_CONFIG", "read_metrics", "DemoConfig", "TaskConfig", "build_demo",
+           "DemoAssets"]
 
 
 def read_metrics(run_dir: str) -> List[dict]:
@@ -26,6 +28,22 @@ def read_metrics(run_dir: str) -> List[dict]:
     if not os.path.isfile(os.path.join(run_dir, metrics.METRICS_FILE)):
         raise ValueError(f"{run_dir!r} has no {metrics.METRICS_FILE}; is it a trainer run directory?")
     return metrics.read_metrics(run_dir)
+
+
+def _run_overrides(run_dir: str, seed: int, overrides: Sequence[str]) -> List[str]:
+    """The trainer overrides of a demo run but the assets' paths (the user's last: they win)."""
+    return [f"trainer.default_local_dir={run_dir}", f"trainer.seed={seed}", *overrides]
+
+
+def check_config(config: Optional[str] = DEFAULT_CONFIG, run_dir: str = "runs/demo/seed0", seed: int = 0,
+                 overrides: Sequence[str] = ()) -> None:
+    """Load the demo's trainer config without its assets, so that a bad override is an error (naming
+    its key) before the warm start is built or the run directory touched."""
+    from ..config import VerlKeysNoted, load_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", VerlKeysNoted)  # noted once, by run_demo's load
+        load_config(config, _run_overrides(run_dir, seed, overrides))
 
 
 def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: str = ".cache/dapo_demo",
@@ -40,6 +58,7 @@ def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: s
     from ..config import load_config
     from ..trainer import DAPOTrainer
 
+    check_config(config, run_dir, seed, overrides)
     if task == "dialog":  # the order-status desk (demo/dialog.py)
         from .dialog import DialogDemoConfig, build_dialog_demo
 
@@ -52,9 +71,7 @@ def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: s
         f"actor_rollout_ref.model.path={assets.model_dir}",
         f"data.train_files=[{assets.train_file}]",
         f"data.val_files=[{assets.val_file}]",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.seed={seed}",
-        *overrides,
+        *_run_overrides(run_dir, seed, overrides),
     ])
     final = DAPOTrainer(cfg).fit()
     val = [m for m in read_metrics(run_dir) if "val/acc" in m]

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from . import DEFAULT_CONFIG, DIALOG_CONFIG, run_demo
+from . import DEFAULT_CONFIG, DIALOG_CONFIG, check_config, run_demo
 
 
 def parse_args(argv: Optional[List[str]] = None):
@@ -53,6 +53,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     t0 = time.time()
     dialog = args.task == "dialog"
     run_dir = os.path.join(args.run_dir or ("runs/demo_dialog" if dialog else "runs/demo"), f"seed{args.seed}")
+    config = args.config or (DIALOG_CONFIG if dialog else DEFAULT_CONFIG)
+    check_config(config, run_dir, args.seed, args.overrides)  # before the old run is removed
     if not args.resume and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
     demo_config = None
@@ -62,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         else:
             from .assets import DemoConfig as demo_cls
         demo_config = demo_cls(seed=args.seed, warm_start_steps=args.warm_start_steps)
-    result = run_demo(seed=args.seed, config=args.config or (DIALOG_CONFIG if dialog else DEFAULT_CONFIG),
+    result = run_demo(seed=args.seed, config=config,
                       cache_dir=args.cache_dir or (".cache/dapo_demo_dialog" if dialog else ".cache/dapo_demo"),
                       run_dir=run_dir, overrides=args.overrides, task=args.task, demo_config=demo_config)
     if not args.no_report:

@@ -256,6 +256,7 @@ def test_model_config_json_problems_name_the_file(tmp_path):
     ("actor_rollout_ref.rollout.max_model_len=-5", ValueError, "actor_rollout_ref.rollout.max_model_len"),
     ("actor_rollout_ref.rollout.max_model_len=0", ValueError, "actor_rollout_ref.rollout.max_model_len"),
     ("trainer.seed=" + "9" * 20, ValueError, "trainer.seed"),
+    ("trainer.seed=-1", ValueError, "trainer.seed"),  # numpy's generators take seeds >= 0
 ])
 def test_out_of_range_counts_and_lengths_rejected_at_load(override, error, key):
     """Counts >= 1, lengths and token caps that fit what the packed batches address, every int in

@@ -152,3 +152,30 @@ def test_every_kernel_compiles_fits_and_does_not_spill(arch, tmp_path):
     due = aot.due_exceptions(records, arch)
     stale = [f"{e.kernel} {e.dtypes} rows {e.rows} {e.rules} {e.dots}" for e in due - seen]
     assert not stale, "documented exceptions not observed:\n" + "\n".join(stale)
+
+
+def test_calibration_fit_is_the_minimax_factor_per_family():
+    """calibrate.fit: per instruction family, from the forward anchors only, the factor whose largest
+    over- and under-estimate are equal (raw estimates 500 / 400 against published 400 / 400: h = 0.89)."""
+    from gpu import calibrate
+    rows = [dict(design="tutorial", **{"pass": "forward"}, published=400.0),
+            dict(design="tutorial", **{"pass": "forward"}, published=400.0),
+            dict(design="tutorial", **{"pass": "backward"}, published=100.0),  # held out: ignored by the fit
+            dict(design="fa2", **{"pass": "forward"}, published=300.0)]
+    fitted = calibrate.fit(rows, {0: 500.0, 1: 400.0, 2: 900.0, 3: 600.0})
+    assert fitted == {"wgmma": round(2 / (1.25 + 1.0), 2), "mma": 0.5}
+    errs = [fitted["wgmma"] * raw / 400.0 - 1 for raw in (500.0, 400.0)]
+    assert abs(errs[0] + errs[1]) < 0.02
+
+
+def test_estimates_outside_the_calibrated_range_are_flagged():
+    """An estimate of a kernel unlike every anchor (1 pipeline stage, 1 warpgroup per SM, no tensor-core
+    dot) names why; one inside the anchors' range names nothing."""
+    wide = {"b_s:1": {"wgmma n128": 8}, "b_pv:2": {"wgmma n128": 8}}
+    def flag(dots, blocks, warps, config):
+        return aot_model.predict("_varlen_attention_fwd_kernel", "bfloat16", "D=128 causal", dots, blocks, warps,
+                                 config)["outside_calibration"]
+    assert flag(wide, 1, 8, "stages=3") == ""
+    assert flag(wide, 1, 8, "stages=1") == "1 stage(s)"
+    assert flag(wide, 1, 4, "stages=2") == "1 warpgroup(s)/SM"
+    assert "no tensor-core dot" in flag({"b_s:1": {"fma": 64}}, 2, 4, "stages=2")

@@ -31,8 +31,14 @@ against the first GPU run; it is stated here so that the run can refute it.
   CUDA-core ``fma`` dots at half the 67 TFLOP/s fp32 peak (datasheet figures, H100 SXM = H200).
 * Exponentials run on the SFU at 132 SMs x 16 / clock x 1.98 GHz = 4.2e12 /s; with ``wg``
   warpgroups resident per SM, all but ``1/wg`` of that time overlaps another warpgroup's MMAs.
-* None of these kernels is warp-specialised, so a warpgroup waits on its own loads and wgmma
-  completions: latency hiding ``h = min(1, 0.5 + 0.125 wg)`` (1 warpgroup: 0.625, 2: 0.75, 4+: 1).
+* None of these kernels is warp-specialised, so a warpgroup waits on its own loads, MMA completions
+  and softmax: the compute term is divided by a latency-hiding factor ``h`` per instruction family
+  (:data:`LATENCY_HIDING`), fitted by ``benchmarks/gpu/calibrate.py`` to the forward anchors of that
+  family (minimax relative error over their causal and non-causal figures) and checked on the backward
+  anchors, which the fit does not see. The same ``h`` at every occupancy: the anchors show no gain
+  from more resident warpgroups. The anchors span 2-4 warpgroups per SM and 2-5 pipeline stages; a
+  kernel outside that (1 warpgroup, ``num_stages=1``, or no tensor-core dot) is flagged
+  ``outside_calibration`` in its estimate.
 * Operand re-reads go through L2 at ``L2_TBS`` = 7 TB/s (H100 figures reported between 5.5 and 10:
   a lead): a tile's FLOPs per byte loaded are, for an lm_head tile, ``2 BM BV / ((BM + BV) e)``
   (e = element bytes); for attention, dots x (rows the program owns) / e (the other operand
@@ -40,11 +46,12 @@ against the first GPU run; it is stated here so that the run can refute it.
 * ``t = max((t_dots + t_exp / wg) / h, bytes / 4.8 TB/s, FLOPs / (intensity x L2_TBS))``;
   predicted TFLOP/s = FLOPs / t.
 
-Anchor (not fitted elsewhere): Triton's fused-attention tutorial forward on Hopper, D=128, 128 x
-128 tiles at 8 warps (``wg`` = 2, both dots N=128): the model gives 457 TFLOP/s against the
-published 400-480 on H100 (pytorch/benchmark's run, 16k tokens: 477); FlashAttention-2's
-``mma.sync`` at ``wg`` = 2: 330 against ~370. The L2 term puts the lm_head passes (64 x 128 tiles:
-43 FLOP/B) at ~300 TFLOP/s, inside issue 32's 250-430 estimate.
+Calibration: ``benchmarks/gpu/calibrate.py`` compiles anchor designs written from public descriptions
+(``anchors.py``: the Triton tutorial's forward and backward, FlashAttention-2's mma.sync forward and
+fused atomic-dQ backward), prices them with this model and prints the error against their published
+H100 figures, causal and non-causal apart; the table and the resulting error band are in
+benchmarks/RESULTS.md, and every estimate quoted carries that band. The L2 term puts the lm_head passes
+(64 x 128 tiles: 43 FLOP/B) at ~300 TFLOP/s (no anchor: uncalibrated).
 """
 from __future__ import annotations
 
@@ -60,6 +67,11 @@ PEAK_TFLOPS = 790.0  # bf16 dense through cuBLAS, measured on this workplace's H
 HBM_TBS = 4.8  # H200 datasheet (a device-to-device copy measured 4.3 here)
 L2_TBS = 7.0  # L2 -> SM operand bandwidth: a lead (H100 reports range 5.5-10 TB/s)
 EXP_PER_S = 132 * 16 * 1.98e9  # SFU ex2 per second: SMs x per-SM-clock x boost clock
+# Compute-term efficiency without warp specialisation, per instruction family: calibrate.py's fit (the values
+# it prints; `calibrate.py --check` fails when they differ). FMA-only kernels borrow mma's (no anchor).
+LATENCY_HIDING = {"wgmma": 0.63, "mma": 0.80}
+CALIBRATED_WARPGROUPS = (2, 4)  # resident warpgroups per SM the anchors span
+CALIBRATED_STAGES = (2, 5)  # pipeline stages the anchors span
 MMA_SYNC_TFLOPS = 0.62 * PEAK_TFLOPS
 F64_MMA_TFLOPS = 67.0
 FMA_TFLOPS = 0.5 * 67.0
@@ -178,6 +190,12 @@ def _dot_rate(shapes: Dict[str, int]) -> float:
     return FMA_TFLOPS
 
 
+def instruction_family(dots: Dict[str, Dict[str, int]]) -> str:
+    """``wgmma`` if any dot runs wgmma, else ``mma`` (mma.sync), else ``fma`` (CUDA cores)."""
+    kinds = {k.split()[0] for shapes in dots.values() for k in shapes}
+    return "wgmma" if "wgmma" in kinds else "mma" if "mma" in kinds else "fma"
+
+
 def _attention(kernel: str, D: int, causal: bool, dtype_bytes: int) -> dict:
     T, Hq, Hkv = 16384, 32, 8
     scores = Hq * T * T * (0.5 if causal else 1.0)
@@ -234,7 +252,17 @@ def predict(kernel: str, dtype: str, inputs: str, dots: Dict[str, Dict[str, int]
     flops = work["flops_per_dot"] * len(dots)
     t_dots = sum(work["flops_per_dot"] / (_dot_rate(s) * 1e12) for s in dots.values())
     wg = max(1, blocks * warps // 4)
-    h = min(1.0, 0.5 + 0.125 * wg)
+    family = instruction_family(dots)
+    h = LATENCY_HIDING.get(family, LATENCY_HIDING["mma"])
+    m = re.search(r"stages=(\d+)", config)
+    outside = []
+    if dots:  # (kernels without dots are bandwidth-bound: no compute term to calibrate)
+        if not CALIBRATED_WARPGROUPS[0] <= wg <= CALIBRATED_WARPGROUPS[1]:
+            outside.append(f"{wg} warpgroup(s)/SM")
+        if family not in LATENCY_HIDING:
+            outside.append("no tensor-core dot")
+        if m and not CALIBRATED_STAGES[0] <= int(m.group(1)) <= CALIBRATED_STAGES[1]:
+            outside.append(f"{m.group(1)} stage(s)")
     t_exp = work["exps"] / EXP_PER_S if dots else 0.0
     intensity = _intensity(kernel, config, len(dots), _BYTES.get(dtype, 4))
     terms = {"compute": (t_dots + t_exp / wg) / h, "HBM": work["bytes"] / (HBM_TBS * 1e12),
@@ -243,7 +271,8 @@ def predict(kernel: str, dtype: str, inputs: str, dots: Dict[str, Dict[str, int]
     t = terms[bound]
     tflops = flops / t / 1e12 if t else 0.0
     return dict(problem=work["problem"], flops=flops, flops_per_dot=work["flops_per_dot"], bytes=work["bytes"],
-                ms=t * 1e3, tflops=round(tflops, 1), fraction=round(tflops / PEAK_TFLOPS, 3), bound=bound)
+                ms=t * 1e3, tflops=round(tflops, 1), fraction=round(tflops / PEAK_TFLOPS, 3), bound=bound,
+                outside_calibration=", ".join(outside))
 
 
 def _best(records, prefix: str, need: str = "", avoid: str = ""):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dapo_trainer import checkpoint as ckpt
+from dapo_trainer import state_file
 from dapo_trainer.config import load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.model import ModelConfig, Transformer
@@ -165,8 +166,8 @@ def test_state_file_round_trip_and_refusals(tmp_path):
                                                  "__x": True, (1, "a"): torch.zeros(0, 2)},
              "view_twice": [torch.ones(4)[:2], torch.ones(4)[2:]], "nan": float("nan")}
     path = str(tmp_path / "s.safetensors")
-    ckpt.save_state_file(state, path)
-    back = ckpt.load_state_file(path)
+    state_file.save_state_file(state, path)
+    back = state_file.load_state_file(path)
     assert torch.equal(back["rng"]["torch"], state["rng"]["torch"])
     assert back["rng"]["python"] == state["rng"]["python"]  # tuples survive: random.setstate takes them
     np.testing.assert_array_equal(back["rng"]["numpy"][1], state["rng"]["numpy"][1])
@@ -175,11 +176,11 @@ def test_state_file_round_trip_and_refusals(tmp_path):
     assert back["nested"]["__x"] is True and back["nested"][(1, "a")].shape == (0, 2)
     assert back["nan"] != back["nan"]
     with pytest.raises(TypeError, match=r"state\['f'\] is a function"):
-        ckpt.save_state_file({"f": lambda: 0}, path)
+        state_file.save_state_file({"f": lambda: 0}, path)
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(ValueError, match="bad.safetensors is not a dapo_trainer state file"):
-        ckpt.load_state_file(str(bad))
+        state_file.load_state_file(str(bad))
 
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path):

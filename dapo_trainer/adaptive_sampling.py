@@ -4,7 +4,7 @@
 round, how many prompts to generate (``algorithm.filter_groups.adaptive``; otherwise always
 ``data.gen_batch_size``), and tells what each round kept. It keeps:
 
-* a :class:`dapo_kernels.dynamic_sampling.KeepRateEstimator` (per ``data_source``, forgetting
+* a :class:`dapo_trainer.keep_rate.KeepRateEstimator` (per ``data_source``, forgetting
   ``adaptive_forgetting`` per round), updated in both modes, so the estimate is logged either way;
 * the size for the still-needed groups (train batch minus the groups buffered, carried-over ones
   included) over ``target_rounds - k`` rounds at the ``adaptive_quantile`` of the predictive
@@ -23,7 +23,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from dapo_kernels.dynamic_sampling import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
+from .keep_rate import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
 
 from .config.choices import ThresholdSchedule as ScheduleKind
 from .config.choices import choices

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dapo_kernels as dk
-from dapo_kernels.dynamic_sampling import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
+from dapo_trainer.keep_rate import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
 from dapo_trainer.adaptive_sampling import (LOW_KEEP_RATE, SamplingController, ThresholdSchedule, exhaustion_warning,
                                             gen_size_ceiling, round_counts, short_batch_groups)
 from dapo_trainer.config import Config, load_config

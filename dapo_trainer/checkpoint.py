@@ -5,7 +5,7 @@ Layout under ``<trainer.default_local_dir>/checkpoints``::
     global_step_N/model/                      HF safetensors + config.json + tokenizer files (loadable anywhere)
     global_step_N/optim_rank{r}.safetensors   optimiser + LR schedule of rank r (its own TP / FSDP shard)
     global_step_N/state_rank{r}.safetensors   step, data cursor, the accumulator's carried-over groups, RNG states
-    global_step_N/manifest.json               written last: step, save sequence number, every file and its size
+    global_step_N/manifest.json               written last: step, save sequence number, every file's size and sha256
     latest_checkpointed_iteration.txt         N (verl's name; for tools, auto-resume does not need it)
 
 State files are :mod:`dapo_trainer.state_file`'s (safetensors + a JSON header, never pickle); this
@@ -21,9 +21,14 @@ before every save and every auto-resume) keeps the newest complete copy of each 
 with their recorded sizes; "newest" is the manifest's save sequence number, so a later run
 that re-saved lower steps (``resume_mode=disable`` / ``resume_path``) wins over an earlier
 run's higher steps, and a save killed before its manifest never wins over a finished one.
+
+Integrity. The manifest records every file's sha256 (the save reads each file once to fsync it);
+:func:`verify_checkpoint`, run at start-up before a resume builds its model, refuses a file whose
+content changed since (bit rot, a partial copy of the same size, an edit), naming the file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -80,6 +85,17 @@ def _fsync_file(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sha256(path: str, fsync: bool = False) -> str:
+    """Hex sha256 of the file at ``path`` (``fsync``: flushed to disk first, in the same open)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _read_manifest(ckpt_dir: str) -> dict:
@@ -271,15 +287,15 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
     save_state_file({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"state_rank{rank}.safetensors"))
     _barrier()
     if rank == 0:
-        files = {}
+        files, hashes = {}, {}
         for d, _, names in os.walk(tmp):
             for name in names:
                 p = os.path.join(d, name)
-                _fsync_file(p)
+                hashes[os.path.relpath(p, tmp)] = _sha256(p, fsync=True)
                 files[os.path.relpath(p, tmp)] = os.path.getsize(p)
         seqs = [seq for seq, _, _ in _complete_checkpoints(ckpt_root)[0]]
         manifest = {"format": FORMAT, "step": step, "sequence": max(seqs, default=0) + 1,
-                    "world_size": _world(), "files": files}
+                    "world_size": _world(), "files": files, "sha256": hashes}
         with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
@@ -336,6 +352,25 @@ def check_checkpoint_dir(path: str, key: str) -> None:
                          f"{os.fspath(path)!r} (pick another path or remove the file)")
     if not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"{key}: the directory {p!r} is not writable; checkpoints go to {os.fspath(path)!r}")
+
+
+def verify_checkpoint(ckpt_dir: str) -> None:
+    """Every file of ``ckpt_dir`` still has the sha256 its manifest recorded: a ValueError naming the
+    first that does not. A manifest without hashes (an older version's) is let through with a warning."""
+    man = _read_manifest(ckpt_dir)
+    hashes = man.get("sha256")
+    if not isinstance(hashes, dict):
+        log.warning("checkpoint %s has no content hashes (saved by an older version): its files are not verified",
+                    ckpt_dir)
+        return
+    for name in sorted(man["files"]):
+        path = os.path.join(ckpt_dir, name)
+        got, want = _sha256(path), hashes.get(name)
+        if got != want:
+            raise ValueError(f"checkpoint file {path!r} does not match its sha256 in {MANIFEST} (now {got[:16]}..., "
+                             f"saved {str(want)[:16]}...): it changed after the save (disk or copy corruption, an "
+                             "edit); resume from another checkpoint (trainer.resume_mode=resume_path, "
+                             "trainer.resume_from_path) or restore this file")
 
 
 def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:

@@ -157,6 +157,7 @@ class DAPOTrainer:
             rollout_dump.check_rollout_dir(t.rollout_data_dir)
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
         if self.resume_dir:
+            ckpt.verify_checkpoint(self.resume_dir)  # before anything of it is read
             check_resume_model(arr.model.path, self.resume_dir)
             if self.dims.rank == 0:
                 print(f"resuming from {self.resume_dir}", flush=True)

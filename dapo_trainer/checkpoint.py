@@ -19,7 +19,7 @@ checkpoint still has one under one of its three names, and :func:`recover` (run 
 before every save and every auto-resume) keeps the newest complete copy of each step as
 ``global_step_N`` and deletes the rest. "Complete" means a manifest whose files all exist
 with their recorded sizes; "newest" is the manifest's save sequence number, so a later run
-that re-saved lower steps (``resume_mode=disable`` / ``resume_path``) wins over an earlier
+that re-saved lower steps (``resume_mode=resume_path``) wins over an earlier
 run's higher steps, and a save killed before its manifest never wins over a finished one.
 
 Integrity. The manifest records every file's sha256 (the save reads each file once to fsync it);

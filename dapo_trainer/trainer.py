@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -45,6 +46,8 @@ from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict, stage_keep
 from .rollout import make_rollout
+from .run_dir import RunDirectoryInUse
+from .run_dir import claim as claim_run_dir
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
 
@@ -155,6 +158,7 @@ class DAPOTrainer:
         ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
         if t.rollout_data_dir:
             rollout_dump.check_rollout_dir(t.rollout_data_dir)
+        self.release_run_dir = self._claim_run_dir(fresh=t.resume_mode == "disable")  # before recovery touches it
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
         if self.resume_dir:
             ckpt.verify_checkpoint(self.resume_dir)  # before anything of it is read
@@ -186,6 +190,24 @@ class DAPOTrainer:
             self.global_step = state["step"]
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
             self.generation.load_state_dict(state)
+
+    def _claim_run_dir(self, *, fresh: bool):
+        """Rank 0 claims ``trainer.default_local_dir`` (:func:`dapo_trainer.run_dir.claim`) until this
+        trainer is collected; every rank raises its refusal. Returns the release function."""
+        release, err = (lambda: None), None
+        if self.dims.rank == 0:
+            try:
+                release = claim_run_dir(self.run_dir, fresh=fresh)
+            except (ValueError, RunDirectoryInUse) as e:
+                err = e
+        if dist.is_initialized():
+            box = [err]
+            dist.broadcast_object_list(box, src=0, device=self.dims.comm_device)
+            err = box[0]
+        if err is not None:
+            raise err
+        weakref.finalize(self, release)
+        return release
 
     def sync_weights(self) -> None:
         if self.rollout_model is not self.model:  # the replica (SP; PP; multi-turn under FSDP2 with DP > 1)

@@ -68,7 +68,7 @@ def test_run_records_its_config_and_a_failed_start_keeps_old_metrics(tmp_path, m
     def boom(*a, **k):
         raise RuntimeError("generation failed")
 
-    again = DAPOTrainer(load_config(overrides=overrides + ["trainer.resume_mode=disable"]))
+    again = DAPOTrainer(load_config(overrides=overrides + ["trainer.total_training_steps=2"]))  # resumes step 1
     monkeypatch.setattr(again, "train_step", boom)
     with pytest.raises(RuntimeError, match="generation failed"):
         again.fit()

@@ -367,6 +367,12 @@ class GenerationStage:
                     raise dk.DynamicSamplingExhausted(f"{e} Groups dropped for environment errors "
                                                       f"(environment.on_error=drop): {int(failed_groups)}.") from None
                 raise
+            if self.max_rounds <= 0 and fg.enable and not acc.ready and prompts >= len(self.train_rows) and \
+                    not acc.metrics()["dynamic_sampling/groups_kept"]:  # unlimited rounds would never end
+                raise dk.DynamicSamplingExhausted(
+                    f"{acc.exhausted_message()} With max_num_gen_batches={fg.max_num_gen_batches} (unlimited) a step "
+                    f"stops once a whole pass over the {len(self.train_rows)} training rows keeps no group: look at "
+                    "the reward function and algorithm.filter_groups.metric, which were the same within every group")
             if not warned and fg.enable and not acc.ready:
                 warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb["rows"]), self.max_rounds,
                                                           log=self.dims.rank == 0)

@@ -92,13 +92,34 @@ class DynamicBatchAccumulator:
     def state_dict(self) -> Dict[str, object]:
         """Buffered (carried-over) groups and counters, for checkpoints (tensors stay on device)."""
         return {"chunks": [dict(c) for c in self._chunks], "keys": self._keys,
-                "num_buffered_groups": self.num_buffered_groups, "carried_in": self._carried_in}
+                "num_buffered_groups": self.num_buffered_groups, "carried_in": self._carried_in,
+                "n_per_prompt": self.n_per_prompt}
+
+    @staticmethod
+    def state_n_per_prompt(state: Dict[str, object]) -> Optional[int]:
+        """Rows per buffered group in a :meth:`state_dict` (None when it buffers none); states saved
+        without ``n_per_prompt`` give their rows over their groups."""
+        groups = int(state["num_buffered_groups"])
+        if not groups:
+            return None
+        if state.get("n_per_prompt") is not None:
+            return int(state["n_per_prompt"])
+        rows = sum(next(iter(c.values())).shape[0] for c in state["chunks"] if c)
+        return rows // groups if rows % groups == 0 else rows / groups
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        """Restore what :meth:`state_dict` saved; the step being accumulated starts afresh."""
+        """Restore what :meth:`state_dict` saved; the step being accumulated starts afresh.
+
+        Buffered groups of another ``n_per_prompt`` are a ValueError naming both values: a group
+        cannot change its number of responses."""
         missing = {"chunks", "keys", "num_buffered_groups", "carried_in"} - set(state)
         if missing:
             raise ValueError(f"accumulator state is missing {sorted(missing)}")
+        saved_n = self.state_n_per_prompt(state)
+        if saved_n not in (None, self.n_per_prompt):
+            raise ValueError(f"accumulator state buffers {int(state['num_buffered_groups'])} groups of "
+                             f"n_per_prompt={saved_n} rows; this accumulator has n_per_prompt={self.n_per_prompt}: "
+                             "load it with the same n_per_prompt (rollout.n), or drop its buffered groups")
         self._chunks = [dict(c) for c in state["chunks"]]
         self._keys = tuple(state["keys"]) if state["keys"] is not None else None
         self.num_buffered_groups = int(state["num_buffered_groups"])

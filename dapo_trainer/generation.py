@@ -10,6 +10,7 @@ differently.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -37,6 +38,7 @@ _SAMPLING_METRICS = {
     "train/carried_over_groups": "dynamic_sampling/groups_carried_over",
 }
 _TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/filter")
+logger = logging.getLogger(__name__)
 
 
 def _column(dtype: torch.dtype, width: Optional[str] = None):
@@ -131,8 +133,16 @@ class GenerationStage:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
-        self._check_carried_widths(state["accumulator"])
-        self.accumulator.load_state_dict(state["accumulator"])
+        acc, n = state["accumulator"], self.rollout_cfg.n
+        saved_n = dk.DynamicBatchAccumulator.state_n_per_prompt(acc)
+        if saved_n not in (None, n):  # groups of another rollout.n cannot join this run's train batches
+            if self.dims.rank == 0:
+                logger.warning("the checkpoint carries over %d kept groups of actor_rollout_ref.rollout.n=%s "
+                               "responses each; this run has rollout.n=%d: they are dropped, the next step samples "
+                               "afresh", acc["num_buffered_groups"], saved_n, n)
+            acc = {**acc, "chunks": [], "keys": None, "num_buffered_groups": 0, "carried_in": 0}
+        self._check_carried_widths(acc)
+        self.accumulator.load_state_dict(acc)
         if "sampling" in state:  # (checkpoints from before adaptive sampling start its estimate afresh)
             self.sampling.load_state_dict(state["sampling"])
 

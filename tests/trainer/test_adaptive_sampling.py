@@ -15,15 +15,8 @@ from dapo_trainer.keep_rate import KeepRateEstimator, adaptive_gen_batch_size, r
 from dapo_trainer.metrics import read_metrics
 from dapo_trainer.model import ModelConfig
 from dapo_trainer.trainer import DAPOTrainer
-from tests.trainer.tiny import ZERO_REWARD, micro_setup
+from tests.trainer.tiny import ALTERNATING_REWARD, ZERO_REWARD, micro_setup
 
-# Rewards 1, 0, 1, 0, ... in call order: every group of an even size is mixed, so always kept.
-ALTERNATING_REWARD = """
-_calls = [0]
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    _calls[0] += 1
-    return float(_calls[0] % 2)
-"""
 ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_files=[]"]
 
 

@@ -101,14 +101,14 @@ class GenerationStage:
     Owns the data cursor and the dynamic-sampling accumulator (both checkpointed: ``state_dict``).
     """
 
-    def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None):
+    def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None, *,
+                 prompt_cache: Optional[Dict[int, List[int]]] = None):
         self.cfg, self.dims, self.tokenizer, self.engine, self.env = cfg, dims, tokenizer, engine, env
         self.rollout_cfg = cfg.actor_rollout_ref.rollout
         self.train_rows = train_rows
         d, fg = cfg.data, cfg.algorithm.filter_groups
-        # Prompts rendered with the model's chat template hold their special tokens already.
-        self._chat = tokenizer.uses_chat(d.apply_chat_template)
-        self._prompt_cache: Dict[int, List[int]] = {}
+        # Prompt ids by train row (data.encode_rows fills it on load); rows missing from it are encoded when drawn.
+        self._prompt_cache: Dict[int, List[int]] = {} if prompt_cache is None else prompt_cache
         self.cursor = data_mod.BatchCursor(len(train_rows), cfg.gen_batch_size, seed=cfg.trainer.seed,
                                            shuffle=d.shuffle)
         # short_batch: the stage stops at max_num_gen_batches itself (collect), the accumulator never raises.
@@ -168,13 +168,10 @@ class GenerationStage:
     # ------------------------------------------------------------------ rollout + reward
     def prompt_ids(self, rows_idx: List[int], rows: List[dict], cache: Optional[dict]) -> List[List[int]]:
         """Templated, tokenised, length-checked prompts of ``rows[i] for i in rows_idx`` (memoised in ``cache``)."""
-        d = self.cfg.data
         cache = {} if cache is None else cache
         for i in rows_idx:
             if i not in cache:
-                text = self.tokenizer.prompt_text(rows[i]["prompt"], d.prompt_template, d.apply_chat_template)
-                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation,
-                                                  add_special_tokens=not self._chat)
+                cache[i] = data_mod.row_prompt_ids(self.tokenizer, rows[i]["prompt"], self.cfg.data)
         return [cache[i] for i in rows_idx]
 
     def rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,

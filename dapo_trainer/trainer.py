@@ -148,12 +148,16 @@ class DAPOTrainer:
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
         if not d.train_files:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
-        train_rows = data_mod.load_rows(d.train_files, d.prompt_key)
-        self.val_rows = data_mod.load_rows(d.val_files, d.prompt_key) if d.val_files else []
-        self.val_rows = self.val_rows[:d.val_rows_limit]
+        train_rows, train_where = data_mod.load_rows_located(d.train_files, d.prompt_key)
+        self.val_rows, val_where = data_mod.load_rows_located(d.val_files, d.prompt_key) if d.val_files else ([], [])
+        self.val_rows, val_where = self.val_rows[:d.val_rows_limit], val_where[:d.val_rows_limit]
         # Multi-turn: an environment plays the user / tool side (dapo_trainer.envs, rollout/multiturn.py).
         ec = cfg.environment
         env = envs.load_environment(ec.path, ec.name) if ec.path else None
+        # Single-turn prompts are tokenised and length-checked once, here (multi-turn ones come from the environment).
+        train_prompts, self.val_prompts = ({}, None) if env is not None else (
+            data_mod.encode_rows(self.tokenizer, train_rows, train_where, d),
+            data_mod.encode_rows(self.tokenizer, self.val_rows, val_where, d))
 
         ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
         if t.rollout_data_dir:
@@ -180,7 +184,8 @@ class DAPOTrainer:
                               else self.model)
         self.engine = make_rollout(arr.rollout.engine_config(), self.rollout_model)
         self.actor = (PipelinedActor if dims.pp > 1 else Actor)(cfg, dims, self.model, ref_model, device=self.device)
-        self.generation = GenerationStage(cfg, dims, self.tokenizer, self.engine, train_rows, env)
+        self.generation = GenerationStage(cfg, dims, self.tokenizer, self.engine, train_rows, env,
+                                          prompt_cache=train_prompts)
 
         self.global_step = 0
         self.nonfinite_streak = 0  # consecutive steps with a skipped update
@@ -230,7 +235,7 @@ class DAPOTrainer:
                 gen.join_lockstep(d.max_response_length)
                 continue
             rows = [self.val_rows[i] for i in idx]
-            out, _ = gen.rollout(idx, rows, self.val_rows, None, vk.n, vk.temperature, vk.top_p,
+            out, _ = gen.rollout(idx, rows, self.val_rows, self.val_prompts, vk.n, vk.temperature, vk.top_p,
                                  gen.seed(self.global_step, -1))
             score, acc, _ = gen.score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)

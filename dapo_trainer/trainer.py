@@ -165,7 +165,12 @@ class DAPOTrainer:
         self.release_run_dir = self._claim_run_dir(fresh=t.resume_mode == "disable")  # before recovery touches it
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
         if self.resume_dir:
-            ckpt.verify_checkpoint(self.resume_dir)  # before anything of it is read
+            err = None
+            try:  # before anything of it is read; the ranks split the hashing
+                ckpt.verify_checkpoint(self.resume_dir, share=(self.dims.rank, self.dims.world))
+            except ValueError as e:
+                err = e
+            self._raise_on_every_rank(err)
             check_resume_model(arr.model.path, self.resume_dir)
             if self.dims.rank == 0:
                 print(f"resuming from {self.resume_dir}", flush=True)
@@ -196,6 +201,17 @@ class DAPOTrainer:
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
             self.generation.load_state_dict(state)
 
+    @staticmethod
+    def _raise_on_every_rank(err: Optional[Exception]) -> None:
+        """Raise the lowest rank's ``err`` on every rank (None everywhere: return), so that no rank
+        is left waiting alone in a later collective."""
+        if dist.is_initialized():
+            errs = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            err = next((e for e in errs if e is not None), None)
+        if err is not None:
+            raise err
+
     def _claim_run_dir(self, *, fresh: bool):
         """Rank 0 claims ``trainer.default_local_dir`` (:func:`dapo_trainer.run_dir.claim`) until this
         trainer is collected; every rank raises its refusal. Returns the release function."""
@@ -203,14 +219,9 @@ class DAPOTrainer:
         if self.dims.rank == 0:
             try:
                 release = claim_run_dir(self.run_dir, fresh=fresh)
-            except (ValueError, RunDirectoryInUse) as e:
+            except (ValueError, RunDirectoryInUse, OSError) as e:
                 err = e
-        if dist.is_initialized():
-            box = [err]
-            dist.broadcast_object_list(box, src=0, device=self.dims.comm_device)
-            err = box[0]
-        if err is not None:
-            raise err
+        self._raise_on_every_rank(err)
         weakref.finalize(self, release)
         return release
 

@@ -99,8 +99,11 @@ class DynamicBatchAccumulator:
     def state_n_per_prompt(state: Dict[str, object]) -> Optional[int]:
         """Rows per buffered group in a :meth:`state_dict` (None when it buffers none); states saved
         without ``n_per_prompt`` give their rows over their groups."""
-        groups = int(state["num_buffered_groups"])
-        if not groups:
+        try:
+            groups = int(state.get("num_buffered_groups") or 0)
+        except (TypeError, ValueError):  # load_state_dict names what is wrong with the state
+            return None
+        if groups <= 0:
             return None
         if state.get("n_per_prompt") is not None:
             return int(state["n_per_prompt"])

@@ -62,9 +62,10 @@ def claim(run_dir: str, *, fresh: bool) -> Callable[[], None]:
     the directory and the key). Another process holding the lock: :class:`RunDirectoryInUse`.
     """
     key = os.path.realpath(run_dir)
-    if fresh and previous_run(key):
+    found = previous_run(key) if fresh else []
+    if found:
         raise ValueError(f"trainer.resume_mode=disable: trainer.default_local_dir {run_dir!r} already holds a run "
-                         f"({', '.join(previous_run(key)[:4])}), which a fresh run would overwrite; pick another "
+                         f"({', '.join(found[:4])}), which a fresh run would overwrite; pick another "
                          "trainer.default_local_dir, move that run away, or set trainer.resume_mode=auto to "
                          "continue it")
     if key not in _held:

@@ -5,7 +5,7 @@ task: ever more groups all-correct). Each generated prompt group is kept with th
 kept groups fill a train batch (``train_batch_size``), the surplus is carried over
 (``carry_over=true``, this trainer's default) or dropped (verl). The adaptive size comes from the
 trainer's own :class:`dapo_trainer.adaptive_sampling.SamplingController` (a
-``dapo_kernels.dynamic_sampling.KeepRateEstimator`` behind it), the fixed one is
+``dapo_trainer.keep_rate.KeepRateEstimator`` behind it), the fixed one is
 ``data.gen_batch_size``. Rounds are not capped (``max_num_gen_batches=0``) so that their count is
 measured; the table counts the steps that a cap of 10 would have stopped.
 

@@ -4,12 +4,14 @@
 round, how many prompts to generate (``algorithm.filter_groups.adaptive``; otherwise always
 ``data.gen_batch_size``), and tells what each round kept. It keeps:
 
-* a :class:`dapo_kernels.dynamic_sampling.KeepRateEstimator` (per ``data_source``, forgetting
+* a :class:`dapo_trainer.keep_rate.KeepRateEstimator` (per ``data_source``, forgetting
   ``adaptive_forgetting`` per round), updated in both modes, so the estimate is logged either way;
 * the size for the still-needed groups (train batch minus the groups buffered, carried-over ones
   included) over ``target_rounds - k`` rounds at the ``adaptive_quantile`` of the predictive
   distribution, rounded up to a multiple of the data-parallel size and held in
-  ``[min_gen_batch_size, ceiling]``; the ceiling is :func:`gen_size_ceiling`;
+  ``[min_gen_batch_size, ceiling]``; the ceiling is :func:`gen_size_ceiling`, ``max_gen_batch_size`` and
+  the training rows, whichever is least (``min_gen_batch_size`` above it is lowered to it); the first
+  round, before any measurement, is ``data.gen_batch_size`` within the ceiling;
 * the ``reward_threshold`` schedule (:class:`ThresholdSchedule`);
 * the run's counters behind ``sampling/dead_loop_rate`` (checkpointed).
 """
@@ -23,7 +25,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from dapo_kernels.dynamic_sampling import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
+from .keep_rate import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
 
 from .config.choices import ThresholdSchedule as ScheduleKind
 from .config.choices import choices
@@ -148,9 +150,14 @@ def exhaustion_warning(*, step: int, rounds: int, max_rounds: int, need: int, si
              f"~{expected:.1f} of the {need} groups still needed" if max_rounds > 0 else
              f"max_num_gen_batches is unlimited: the step may take ~{need / max(keep_rate * size, 1e-9):.0f} more "
              "generation batches")
-    then = ("the step then trains on a short batch (on_exhausted=short_batch)" if on_exhausted == "short_batch" else
-            "the run then stops (on_exhausted=error; set algorithm.filter_groups.on_exhausted=short_batch to train "
-            "on a short batch instead)")
+    if max_rounds <= 0:
+        then = ("the step goes on until the batch fills, and stops (DynamicSamplingExhausted) once a whole pass "
+                "over the training rows keeps no group")
+    elif on_exhausted == "short_batch":
+        then = "the step then trains on a short batch (on_exhausted=short_batch)"
+    else:
+        then = ("the run then stops (on_exhausted=error; set algorithm.filter_groups.on_exhausted=short_batch to "
+                "train on a short batch instead)")
     return (f"step {step}: dynamic sampling keep rate {keep_rate:.1%} ({rounds} generation batches so far); {limit}. "
             f"Of the {seen} groups seen this step {frac(all_correct):.0%} were all-correct and {frac(all_wrong):.0%} "
             f"all-wrong ({cause}); {then}. Consider data closer to the model's level, a reward_threshold schedule, "
@@ -165,8 +172,10 @@ class SamplingController:
         self.fg, self.train_batch_size, self.dp = fg, d.train_batch_size, dp
         self.gen_batch_size = cfg.gen_batch_size
         self.estimator = KeepRateEstimator(forgetting=fg.adaptive_forgetting)
-        self.floor = fg.min_gen_batch_size or dp
-        self.ceiling = max(min(ceiling, fg.max_gen_batch_size or ceiling), self.floor)
+        # ceiling: memory / max_gen_batch_size / the rows (the caller's), on the DP grid and >= dp; the floor
+        # (min_gen_batch_size) never lifts a size above it.
+        self.ceiling = max(min(ceiling, fg.max_gen_batch_size or ceiling) // dp * dp, dp)
+        self.floor = min(fg.min_gen_batch_size or dp, self.ceiling)
         self.threshold = ThresholdSchedule(fg.reward_threshold_schedule, fg.reward_threshold, fg.reward_threshold_end,
                                            total_steps=cfg.trainer.total_training_steps, target=fg.target_keep_rate)
         self.steps = self.dead_steps = 0
@@ -175,8 +184,8 @@ class SamplingController:
         """Prompts of round ``k`` (0-based) of a step with ``buffered`` kept groups so far."""
         if not self.fg.adaptive:
             return self.gen_batch_size
-        if not self.estimator.ready:  # no measurement yet: the configured size, on the same grid
-            return round_to_multiple(self.gen_batch_size, self.dp, floor=self.floor, ceiling=self.ceiling)
+        if not self.estimator.ready:  # no measurement yet: the configured size, on the DP grid, within the ceiling
+            return round_to_multiple(self.gen_batch_size, self.dp, floor=self.dp, ceiling=self.ceiling)
         return adaptive_gen_batch_size(self.estimator, self.train_batch_size - buffered,
                                        rounds=max(self.fg.target_rounds - k, 1), quantile=self.fg.adaptive_quantile,
                                        multiple=self.dp, floor=self.floor, ceiling=self.ceiling)

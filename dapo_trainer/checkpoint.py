@@ -5,12 +5,11 @@ Layout under ``<trainer.default_local_dir>/checkpoints``::
     global_step_N/model/                      HF safetensors + config.json + tokenizer files (loadable anywhere)
     global_step_N/optim_rank{r}.safetensors   optimiser + LR schedule of rank r (its own TP / FSDP shard)
     global_step_N/state_rank{r}.safetensors   step, data cursor, the accumulator's carried-over groups, RNG states
-    global_step_N/manifest.json               written last: step, save sequence number, every file and its size
+    global_step_N/manifest.json               written last: step, save sequence number, every file's size and sha256
     latest_checkpointed_iteration.txt         N (verl's name; for tools, auto-resume does not need it)
 
-State files hold their tensors as safetensors and everything else as JSON in the
-safetensors header (:func:`save_state_file`): loading one never runs code, unlike the
-``torch.load`` of a pickle, which runs whatever the file says.
+State files are :mod:`dapo_trainer.state_file`'s (safetensors + a JSON header, never pickle); this
+module is the directory protocol around them.
 
 Crash safety. A save writes ``.global_step_N.tmp`` and its manifest, then renames it to
 ``global_step_N``; re-saving a step first renames the existing directory to
@@ -20,11 +19,16 @@ checkpoint still has one under one of its three names, and :func:`recover` (run 
 before every save and every auto-resume) keeps the newest complete copy of each step as
 ``global_step_N`` and deletes the rest. "Complete" means a manifest whose files all exist
 with their recorded sizes; "newest" is the manifest's save sequence number, so a later run
-that re-saved lower steps (``resume_mode=disable`` / ``resume_path``) wins over an earlier
+that re-saved lower steps (``resume_mode=resume_path``) wins over an earlier
 run's higher steps, and a save killed before its manifest never wins over a finished one.
+
+Integrity. The manifest records every file's sha256 (the save reads each file once to fsync it);
+:func:`verify_checkpoint`, run at start-up before a resume builds its model, refuses a file whose
+content changed since (bit rot, a partial copy of the same size, an edit), naming the file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,9 +41,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .state_file import FORMAT, load_state_file, save_state_file
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
-_FORMAT = "dapo_trainer.checkpoint/2"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 _STEP_DIR = re.compile(r"^\.?global_step_(\d+)(\.tmp|\.old)?$")
 log = logging.getLogger(__name__)
@@ -73,72 +78,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def accumulator_state(acc) -> dict:
-    return acc.state_dict()
-
-
-def load_accumulator_state(acc, state: dict) -> None:
-    acc.load_state_dict(state)
-
-
-# ---------------------------------------------------------------------- state files
-def _encode(obj, tensors: dict, where: str):
-    """JSON-able form of ``obj``; tensors go to ``tensors`` and are referenced by name.
-
-    JSON has no tuples, int keys or arrays, and the state needs them (``random.setstate``
-    wants tuples, the optimiser's state is keyed by int): each gets a one-key tag.
-    """
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj  # FSDP2: this rank's shard
-        t = t.detach().cpu()
-        # safetensors refuses views into a larger or shared storage: store those as copies.
-        storage = t.untyped_storage()
-        if not t.is_contiguous() or storage.nbytes() != t.numel() * t.element_size() or \
-                (t.numel() and storage.data_ptr() in tensors["ptrs"]):
-            t = t.contiguous().clone()
-        tensors["ptrs"].add(t.untyped_storage().data_ptr())
-        name = str(len(tensors["by_name"]))
-        tensors["by_name"][name] = t
-        return {"__tensor__": name}
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": [str(obj.dtype), obj.tolist()]}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in obj.items()}
-        return {"__items__": [[_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")]
-                              for k, v in obj.items()]}
-    raise TypeError(f"checkpoint state {where} is a {type(obj).__name__}; state files hold tensors, arrays, "
-                    "numbers, strings, None and lists / tuples / dicts of them")
-
-
-def _decoder(tensors: dict, path: str):
-    def hook(d: dict):
-        tags = [k for k in d if k.startswith("__")]
-        if not tags:
-            return d
-        if len(d) != 1:
-            raise ValueError(f"{path}: malformed state entry {sorted(d)}")
-        tag, v = tags[0], d[tags[0]]
-        if tag == "__tensor__":
-            return tensors[v]
-        if tag == "__tuple__":
-            return tuple(v)
-        if tag == "__items__":
-            return {k: val for k, val in v}
-        if tag == "__ndarray__":
-            return np.asarray(v[1], dtype=np.dtype(v[0]))
-        raise ValueError(f"{path}: unknown state entry {tag!r}")
-    return hook
-
-
+# ---------------------------------------------------------------------- completeness, recovery
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -147,36 +87,17 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def save_state_file(obj, path: str) -> None:
-    """Write ``obj`` (nested dicts / lists / tuples of tensors, arrays, numbers, strings)
-    as a safetensors file whose header carries the non-tensor part as JSON."""
-    from safetensors.torch import save_file
-
-    tensors = {"by_name": {}, "ptrs": set()}
-    meta = json.dumps(_encode(obj, tensors, "state"))
-    save_file(tensors["by_name"], path, metadata={"format": _FORMAT, "state": meta})
-
-
-def load_state_file(path: str):
-    """Read what :func:`save_state_file` wrote. Anything else (a pickle, a truncated or
-    foreign file) is a ValueError naming the file; nothing in the file is executed."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors' own error type is not public
-        raise ValueError(f"{path} is not a dapo_trainer state file ({e}); pickled states are never loaded") from None
-    if meta.get("format") != _FORMAT or "state" not in meta:
-        raise ValueError(f"{path} is not a dapo_trainer state file (header format {meta.get('format')!r})")
-    try:
-        return json.loads(meta["state"], object_hook=_decoder(tensors, path))
-    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"{path}: malformed state ({e})") from None
+def _sha256(path: str, fsync: bool = False) -> str:
+    """Hex sha256 of the file at ``path`` (``fsync``: flushed to disk first, in the same open)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-# ---------------------------------------------------------------------- completeness, recovery
 def _read_manifest(ckpt_dir: str) -> dict:
     with open(os.path.join(ckpt_dir, MANIFEST)) as f:
         return json.load(f)
@@ -366,15 +287,15 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
     save_state_file({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"state_rank{rank}.safetensors"))
     _barrier()
     if rank == 0:
-        files = {}
+        files, hashes = {}, {}
         for d, _, names in os.walk(tmp):
             for name in names:
                 p = os.path.join(d, name)
-                _fsync_file(p)
+                hashes[os.path.relpath(p, tmp)] = _sha256(p, fsync=True)
                 files[os.path.relpath(p, tmp)] = os.path.getsize(p)
         seqs = [seq for seq, _, _ in _complete_checkpoints(ckpt_root)[0]]
-        manifest = {"format": _FORMAT, "step": step, "sequence": max(seqs, default=0) + 1,
-                    "world_size": _world(), "files": files}
+        manifest = {"format": FORMAT, "step": step, "sequence": max(seqs, default=0) + 1,
+                    "world_size": _world(), "files": files, "sha256": hashes}
         with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
@@ -431,6 +352,27 @@ def check_checkpoint_dir(path: str, key: str) -> None:
                          f"{os.fspath(path)!r} (pick another path or remove the file)")
     if not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"{key}: the directory {p!r} is not writable; checkpoints go to {os.fspath(path)!r}")
+
+
+def verify_checkpoint(ckpt_dir: str, share: tuple = (0, 1)) -> None:
+    """Every file of ``ckpt_dir`` still has the sha256 its manifest recorded: a ValueError naming the
+    first that does not. ``share=(k, m)``: only the files ``k, k + m, ...`` of the sorted list (ranks
+    split the reading). A manifest without hashes (an older version's) is let through with a warning."""
+    man = _read_manifest(ckpt_dir)
+    hashes = man.get("sha256")
+    if not isinstance(hashes, dict):
+        if share[0] == 0:
+            log.warning("checkpoint %s has no content hashes (saved by an older version): its files are not "
+                        "verified", ckpt_dir)
+        return
+    for name in sorted(man["files"])[share[0]::share[1]]:
+        path = os.path.join(ckpt_dir, name)
+        got, want = _sha256(path), hashes.get(name)
+        if got != want:
+            raise ValueError(f"checkpoint file {path!r} does not match its sha256 in {MANIFEST} (now {got[:16]}..., "
+                             f"saved {str(want)[:16]}...): it changed after the save (disk or copy corruption, an "
+                             "edit); resume from another checkpoint (trainer.resume_mode=resume_path, "
+                             "trainer.resume_from_path) or restore this file")
 
 
 def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:

@@ -91,13 +91,19 @@ def load_rows(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> L
 
     Raises ValueError naming the file (and line) on a missing file, column or bad row.
     """
+    return load_rows_located(files, prompt_key)[0]
+
+
+def load_rows_located(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> Tuple[List[dict], List[str]]:
+    """:func:`load_rows` and, per row, where it was read (file, line / row), for later errors."""
     if isinstance(files, str):
         files = [files]
     if not isinstance(files, (list, tuple)) or not files:
         raise ValueError(f"files must name at least one .jsonl / .parquet file, got {files!r}")
-    rows = []
+    rows, wheres = [], []
     for path in files:
         for where, rec in _read_records(path):
+            wheres.append(where)
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
             if prompt_key not in rec:
@@ -111,7 +117,7 @@ def load_rows(files: Union[str, Sequence[str]], prompt_key: str = "prompt") -> L
             })
     if not rows:
         raise ValueError(f"no rows in {list(files)}")
-    return rows
+    return rows, wheres
 
 
 def apply_template(prompt: str, template: str = "{prompt}") -> str:
@@ -187,6 +193,14 @@ class Tokenizer:
         text then holds the special tokens, so encoding adds none."""
         return self.templated and bool(use_chat_template)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token string of the vocabulary (at least 1): a text of ``k`` tokens spans at most
+        about ``k * max_token_chars`` characters (byte-level BPE, WordPiece, SentencePiece alike)."""
+        if getattr(self, "_max_token_chars", None) is None:
+            self._max_token_chars = max([len(t) for t in self.tok.get_vocab(with_added_tokens=True)] + [1])
+        return self._max_token_chars
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text with special tokens skipped."""
         return self.tok.decode(list(ids), skip_special_tokens=True)
@@ -244,9 +258,29 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     return Tokenizer(tok, eos, pad, bos, chat_template=load_chat_template(model_path, tc), special_tokens=special)
 
 
+# Tokens past max_len that a bounded encoding must reach: the tokens near a cut may differ from the whole text's.
+_CUT_MARGIN = 16
+
+
 def encode_prompt(tokenizer: Tokenizer, text: str, max_len: int, truncation: str = "error",
                   add_special_tokens: bool = True) -> List[int]:
-    """Token ids of ``text`` within ``max_len`` (``truncation``: "error", "left" or "right")."""
+    """Token ids of ``text`` within ``max_len`` (``truncation``: "error", "left" or "right").
+
+    A text longer than ``(max_len + 16) * tokenizer.max_token_chars`` characters is tokenised by
+    that many characters only (its end for "left", its start otherwise), so a huge line costs what
+    the limit does; only when that part yields too few tokens is the whole text tokenised."""
+    budget = (max_len + _CUT_MARGIN) * tokenizer.max_token_chars
+    if len(text) > budget:
+        part = text[-budget:] if truncation == "left" else text[:budget]
+        ids = tokenizer.encode(part, add_special_tokens=add_special_tokens)
+        if len(ids) >= max_len + _CUT_MARGIN:  # the whole text is over the limit too, and cut the same way
+            if truncation == "left":
+                return ids[-max_len:]
+            if truncation == "right":
+                return ids[:max_len]
+            raise ValueError(f"a prompt of {len(text)} characters has over {max_len} tokens ({len(ids)} in its "
+                             f"first {budget} characters), over data.max_prompt_length={max_len} (set "
+                             f"data.truncation=left or right, or raise the limit): {text[:80]!r}")
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if len(ids) <= max_len:
         return ids
@@ -256,6 +290,26 @@ def encode_prompt(tokenizer: Tokenizer, text: str, max_len: int, truncation: str
         return ids[:max_len]
     raise ValueError(f"a prompt has {len(ids)} tokens, over data.max_prompt_length={max_len} "
                      f"(set data.truncation=left or right, or raise the limit): {text[:80]!r}")
+
+
+def row_prompt_ids(tokenizer: Tokenizer, prompt, data_cfg) -> List[int]:
+    """A row's prompt templated, tokenised and held within ``data.max_prompt_length`` (``data_cfg``: the
+    config's ``data`` section; :meth:`Tokenizer.prompt_text`, :func:`encode_prompt`)."""
+    text = tokenizer.prompt_text(prompt, data_cfg.prompt_template, data_cfg.apply_chat_template)
+    return encode_prompt(tokenizer, text, data_cfg.max_prompt_length, data_cfg.truncation,
+                         add_special_tokens=not tokenizer.uses_chat(data_cfg.apply_chat_template))
+
+
+def encode_rows(tokenizer: Tokenizer, rows: List[dict], where: List[str], data_cfg) -> Dict[int, List[int]]:
+    """``{i: prompt ids}`` of every row (:func:`row_prompt_ids`), checked once on load: an over-long prompt
+    under ``truncation=error`` is a ValueError naming ``where[i]`` (file and row)."""
+    out = {}
+    for i, row in enumerate(rows):
+        try:
+            out[i] = row_prompt_ids(tokenizer, row["prompt"], data_cfg)
+        except ValueError as e:
+            raise ValueError(f"{where[i]}: {e}") from None
+    return out
 
 
 # --------------------------------------------------------------------------- cursor

@@ -10,6 +10,7 @@ differently.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -37,6 +38,7 @@ _SAMPLING_METRICS = {
     "train/carried_over_groups": "dynamic_sampling/groups_carried_over",
 }
 _TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/filter")
+logger = logging.getLogger(__name__)
 
 
 def _column(dtype: torch.dtype, width: Optional[str] = None):
@@ -99,14 +101,14 @@ class GenerationStage:
     Owns the data cursor and the dynamic-sampling accumulator (both checkpointed: ``state_dict``).
     """
 
-    def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None):
+    def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None, *,
+                 prompt_cache: Optional[Dict[int, List[int]]] = None):
         self.cfg, self.dims, self.tokenizer, self.engine, self.env = cfg, dims, tokenizer, engine, env
         self.rollout_cfg = cfg.actor_rollout_ref.rollout
         self.train_rows = train_rows
         d, fg = cfg.data, cfg.algorithm.filter_groups
-        # Prompts rendered with the model's chat template hold their special tokens already.
-        self._chat = tokenizer.uses_chat(d.apply_chat_template)
-        self._prompt_cache: Dict[int, List[int]] = {}
+        # Prompt ids by train row (data.encode_rows fills it on load); rows missing from it are encoded when drawn.
+        self._prompt_cache: Dict[int, List[int]] = {} if prompt_cache is None else prompt_cache
         self.cursor = data_mod.BatchCursor(len(train_rows), cfg.gen_batch_size, seed=cfg.trainer.seed,
                                            shuffle=d.shuffle)
         # short_batch: the stage stops at max_num_gen_batches itself (collect), the accumulator never raises.
@@ -131,8 +133,16 @@ class GenerationStage:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
-        self._check_carried_widths(state["accumulator"])
-        self.accumulator.load_state_dict(state["accumulator"])
+        acc, n = state["accumulator"], self.rollout_cfg.n
+        saved_n = dk.DynamicBatchAccumulator.state_n_per_prompt(acc)
+        if saved_n not in (None, n):  # groups of another rollout.n cannot join this run's train batches
+            if self.dims.rank == 0:
+                logger.warning("the checkpoint carries over %d kept groups of actor_rollout_ref.rollout.n=%s "
+                               "responses each; this run has rollout.n=%d: they are dropped, the next step samples "
+                               "afresh", acc["num_buffered_groups"], saved_n, n)
+            acc = {**acc, "chunks": [], "keys": None, "num_buffered_groups": 0, "carried_in": 0}
+        self._check_carried_widths(acc)
+        self.accumulator.load_state_dict(acc)
         if "sampling" in state:  # (checkpoints from before adaptive sampling start its estimate afresh)
             self.sampling.load_state_dict(state["sampling"])
 
@@ -158,13 +168,10 @@ class GenerationStage:
     # ------------------------------------------------------------------ rollout + reward
     def prompt_ids(self, rows_idx: List[int], rows: List[dict], cache: Optional[dict]) -> List[List[int]]:
         """Templated, tokenised, length-checked prompts of ``rows[i] for i in rows_idx`` (memoised in ``cache``)."""
-        d = self.cfg.data
         cache = {} if cache is None else cache
         for i in rows_idx:
             if i not in cache:
-                text = self.tokenizer.prompt_text(rows[i]["prompt"], d.prompt_template, d.apply_chat_template)
-                cache[i] = data_mod.encode_prompt(self.tokenizer, text, d.max_prompt_length, d.truncation,
-                                                  add_special_tokens=not self._chat)
+                cache[i] = data_mod.row_prompt_ids(self.tokenizer, rows[i]["prompt"], self.cfg.data)
         return [cache[i] for i in rows_idx]
 
     def rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,
@@ -367,6 +374,12 @@ class GenerationStage:
                     raise dk.DynamicSamplingExhausted(f"{e} Groups dropped for environment errors "
                                                       f"(environment.on_error=drop): {int(failed_groups)}.") from None
                 raise
+            if self.max_rounds <= 0 and fg.enable and not acc.ready and prompts >= len(self.train_rows) and \
+                    not acc.metrics()["dynamic_sampling/groups_kept"]:  # unlimited rounds would never end
+                raise dk.DynamicSamplingExhausted(
+                    f"{acc.exhausted_message()} With max_num_gen_batches={fg.max_num_gen_batches} (unlimited) a step "
+                    f"stops once a whole pass over the {len(self.train_rows)} training rows keeps no group: look at "
+                    "the reward function and algorithm.filter_groups.metric, which were the same within every group")
             if not warned and fg.enable and not acc.ready:
                 warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb["rows"]), self.max_rounds,
                                                           log=self.dims.rank == 0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -45,6 +46,8 @@ from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict, stage_keep
 from .rollout import make_rollout
+from .run_dir import RunDirectoryInUse
+from .run_dir import claim as claim_run_dir
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
 
@@ -145,18 +148,29 @@ class DAPOTrainer:
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
         if not d.train_files:
             raise ValueError("data.train_files must name at least one .jsonl / .parquet file")
-        train_rows = data_mod.load_rows(d.train_files, d.prompt_key)
-        self.val_rows = data_mod.load_rows(d.val_files, d.prompt_key) if d.val_files else []
-        self.val_rows = self.val_rows[:d.val_rows_limit]
+        train_rows, train_where = data_mod.load_rows_located(d.train_files, d.prompt_key)
+        self.val_rows, val_where = data_mod.load_rows_located(d.val_files, d.prompt_key) if d.val_files else ([], [])
+        self.val_rows, val_where = self.val_rows[:d.val_rows_limit], val_where[:d.val_rows_limit]
         # Multi-turn: an environment plays the user / tool side (dapo_trainer.envs, rollout/multiturn.py).
         ec = cfg.environment
         env = envs.load_environment(ec.path, ec.name) if ec.path else None
+        # Single-turn prompts are tokenised and length-checked once, here (multi-turn ones come from the environment).
+        train_prompts, self.val_prompts = ({}, None) if env is not None else (
+            data_mod.encode_rows(self.tokenizer, train_rows, train_where, d),
+            data_mod.encode_rows(self.tokenizer, self.val_rows, val_where, d))
 
         ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
         if t.rollout_data_dir:
             rollout_dump.check_rollout_dir(t.rollout_data_dir)
+        self.release_run_dir = self._claim_run_dir(fresh=t.resume_mode == "disable")  # before recovery touches it
         self.resume_dir = find_resume_dir(cfg, self.ckpt_root)
         if self.resume_dir:
+            err = None
+            try:  # before anything of it is read; the ranks split the hashing
+                ckpt.verify_checkpoint(self.resume_dir, share=(self.dims.rank, self.dims.world))
+            except ValueError as e:
+                err = e
+            self._raise_on_every_rank(err)
             check_resume_model(arr.model.path, self.resume_dir)
             if self.dims.rank == 0:
                 print(f"resuming from {self.resume_dir}", flush=True)
@@ -175,7 +189,8 @@ class DAPOTrainer:
                               else self.model)
         self.engine = make_rollout(arr.rollout.engine_config(), self.rollout_model)
         self.actor = (PipelinedActor if dims.pp > 1 else Actor)(cfg, dims, self.model, ref_model, device=self.device)
-        self.generation = GenerationStage(cfg, dims, self.tokenizer, self.engine, train_rows, env)
+        self.generation = GenerationStage(cfg, dims, self.tokenizer, self.engine, train_rows, env,
+                                          prompt_cache=train_prompts)
 
         self.global_step = 0
         self.nonfinite_streak = 0  # consecutive steps with a skipped update
@@ -185,6 +200,30 @@ class DAPOTrainer:
             self.global_step = state["step"]
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
             self.generation.load_state_dict(state)
+
+    @staticmethod
+    def _raise_on_every_rank(err: Optional[Exception]) -> None:
+        """Raise the lowest rank's ``err`` on every rank (None everywhere: return), so that no rank
+        is left waiting alone in a later collective."""
+        if dist.is_initialized():
+            errs = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            err = next((e for e in errs if e is not None), None)
+        if err is not None:
+            raise err
+
+    def _claim_run_dir(self, *, fresh: bool):
+        """Rank 0 claims ``trainer.default_local_dir`` (:func:`dapo_trainer.run_dir.claim`) until this
+        trainer is collected; every rank raises its refusal. Returns the release function."""
+        release, err = (lambda: None), None
+        if self.dims.rank == 0:
+            try:
+                release = claim_run_dir(self.run_dir, fresh=fresh)
+            except (ValueError, RunDirectoryInUse, OSError) as e:
+                err = e
+        self._raise_on_every_rank(err)
+        weakref.finalize(self, release)
+        return release
 
     def sync_weights(self) -> None:
         if self.rollout_model is not self.model:  # the replica (SP; PP; multi-turn under FSDP2 with DP > 1)
@@ -207,7 +246,7 @@ class DAPOTrainer:
                 gen.join_lockstep(d.max_response_length)
                 continue
             rows = [self.val_rows[i] for i in idx]
-            out, _ = gen.rollout(idx, rows, self.val_rows, None, vk.n, vk.temperature, vk.top_p,
+            out, _ = gen.rollout(idx, rows, self.val_rows, self.val_prompts, vk.n, vk.temperature, vk.top_p,
                                  gen.seed(self.global_step, -1))
             score, acc, _ = gen.score(out, rows)
             sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)

@@ -234,3 +234,23 @@ def test_state_dict_round_trip_restores_carried_groups():
         assert torch.equal(out_a[k], out_b[k]), k
     with pytest.raises(ValueError, match="missing"):
         fresh.load_state_dict({"chunks": []})
+
+
+def test_state_with_another_n_per_prompt_is_refused_naming_both():
+    """State buffering groups of 2 rows loaded into an accumulator of n_per_prompt=3 (issue 40 item 4:
+    take() then returned 6 rows with a 9-row group_index) is a ValueError naming both values, with or
+    without the saved n_per_prompt; without buffered groups it loads under any n_per_prompt."""
+    acc = dk.DynamicBatchAccumulator(3, 2)
+    acc.add({"x": torch.arange(8.0)}, torch.arange(4).repeat_interleave(2), torch.ones(8, dtype=torch.bool))
+    acc.take()
+    state = acc.state_dict()
+    assert state["num_buffered_groups"] == 1 and state["n_per_prompt"] == 2
+    legacy = {k: v for k, v in state.items() if k != "n_per_prompt"}
+    for s in (state, legacy):
+        with pytest.raises(ValueError, match=r"buffers 1 groups of n_per_prompt=2 rows; this accumulator has "
+                                             r"n_per_prompt=3"):
+            dk.DynamicBatchAccumulator(3, 3).load_state_dict(s)
+    empty = dk.DynamicBatchAccumulator(3, 2).state_dict()
+    other = dk.DynamicBatchAccumulator(3, 3)
+    other.load_state_dict(empty)
+    assert other.num_buffered_groups == 0

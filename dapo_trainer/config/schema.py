@@ -166,7 +166,8 @@ class FilterGroupsConfig:
     enable: bool = True
     # A reward metric, or {component: weight, ...} of the dialogue reward's components.
     metric: Union[FilterMetric, Dict[str, float]] = setting("acc", range=ANY)
-    max_num_gen_batches: int = 10  # <= 0: unlimited
+    # <= 0: unlimited, but a step stops once a whole pass over the training rows keeps no group.
+    max_num_gen_batches: int = 10
     # Surplus kept groups go to the next step (verl drops them).
     carry_over: bool = True
     # None: the metric as is. A float: the metric is binarised (metric >= threshold -> 1, else 0)

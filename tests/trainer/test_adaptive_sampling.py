@@ -8,22 +8,15 @@ import pytest
 import torch
 
 import dapo_kernels as dk
-from dapo_kernels.dynamic_sampling import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
 from dapo_trainer.adaptive_sampling import (LOW_KEEP_RATE, SamplingController, ThresholdSchedule, exhaustion_warning,
                                             gen_size_ceiling, round_counts, short_batch_groups)
 from dapo_trainer.config import Config, load_config
+from dapo_trainer.keep_rate import KeepRateEstimator, adaptive_gen_batch_size, round_to_multiple
 from dapo_trainer.metrics import read_metrics
 from dapo_trainer.model import ModelConfig
 from dapo_trainer.trainer import DAPOTrainer
-from tests.trainer.tiny import ZERO_REWARD, micro_setup
+from tests.trainer.tiny import ALTERNATING_REWARD, ZERO_REWARD, micro_setup
 
-# Rewards 1, 0, 1, 0, ... in call order: every group of an even size is mixed, so always kept.
-ALTERNATING_REWARD = """
-_calls = [0]
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    _calls[0] += 1
-    return float(_calls[0] % 2)
-"""
 ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_files=[]"]
 
 
@@ -150,6 +143,55 @@ def test_controller_sizes_rounds_within_floor_and_ceiling():
     ctl.observe_round({"": (0, 400)})
     ctl.observe_round({"": (0, 400)})
     assert ctl.gen_size(0, 0) == 400  # keep rate near 0: the ceiling (max_gen_batch_size)
+
+
+@pytest.mark.parametrize("min_gen", [100, 1_000_000_000])
+def test_controller_sizes_never_exceed_the_rows_whatever_min_gen_batch_size(min_gen):
+    """A min_gen_batch_size above the 24 training rows (the ceiling here) is lowered to them; the first round,
+    before any measurement, is data.gen_batch_size (3), not min_gen_batch_size."""
+    cfg = Config()
+    cfg.data.train_batch_size, cfg.data.gen_batch_size = 2, 3
+    fg = cfg.algorithm.filter_groups
+    fg.adaptive, fg.min_gen_batch_size = True, min_gen
+    ctl = SamplingController(cfg, dp=1, ceiling=24)
+    assert ctl.gen_size(0, 0) == 3
+    for kept in (0, 3, 1):
+        ctl.observe_round({"": (kept, 3)})
+        assert ctl.gen_size(0, 0) == 24 and ctl.gen_size(1, 2) == 24  # the floor, held at the rows
+
+
+def test_adaptive_run_with_min_gen_batch_size_over_the_rows_generates_gen_batch_size_first(tmp_path):
+    """filter_groups.adaptive with min_gen_batch_size=100 on a 24-row train set: step 1 generates
+    data.gen_batch_size (3) prompts per round, later rounds at most the 24 rows."""
+    overrides = micro_setup(str(tmp_path)) + [
+        "trainer.total_training_steps=2", "trainer.val_before_train=false", "data.val_files=[]",
+        "algorithm.filter_groups.adaptive=true", "algorithm.filter_groups.min_gen_batch_size=100"]
+    trainer = DAPOTrainer(load_config(overrides=overrides))
+    sizes = []
+    next_batch = trainer.generation.cursor.next_batch
+    trainer.generation.cursor.next_batch = lambda: sizes.append(trainer.generation.cursor.batch_size) or next_batch()
+    trainer.fit()
+    assert sizes[0] == 3 and max(sizes) <= 24, sizes
+
+
+@pytest.mark.timeout(240)
+def test_unlimited_gen_batches_with_nothing_ever_kept_stops_after_a_pass_over_the_rows(tmp_path):
+    """max_num_gen_batches=0 (unlimited) and a reward that is always 0: the step raises
+    DynamicSamplingExhausted once the 24 training rows were all generated without a kept group
+    (8 rounds of 3), instead of sampling forever."""
+    overrides = micro_setup(str(tmp_path), ZERO_REWARD) + [
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_files=[]",
+        "algorithm.filter_groups.max_num_gen_batches=0"]
+    with pytest.raises(dk.DynamicSamplingExhausted, match=r"8 generation batches .*whole pass over the 24 "
+                                                          "training rows keeps no group"):
+        DAPOTrainer(load_config(overrides=overrides)).fit()
+
+
+def test_unlimited_warning_does_not_promise_a_stop_at_max_num_gen_batches():
+    """With max_num_gen_batches unlimited the warning says when the step stops, not "the run then stops"."""
+    msg = exhaustion_warning(step=1, rounds=3, max_rounds=0, need=2, size=3, keep_rate=0.01, seen=9,
+                             all_correct=0, all_wrong=9, on_exhausted="error")
+    assert "the run then stops" not in msg and "once a whole pass over the training rows keeps no group" in msg
 
 
 # --------------------------------------------------------------------------- the default path

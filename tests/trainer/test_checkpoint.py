@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dapo_trainer import checkpoint as ckpt
+from dapo_trainer import state_file
 from dapo_trainer.config import load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.model import ModelConfig, Transformer
@@ -123,6 +124,39 @@ def _evil_pickle(marker: str) -> bytes:
     return pickle.dumps({"step": 1, "rng": Evil()})
 
 
+def _rehash(ckpt_dir):
+    """Rewrite ``ckpt_dir``'s manifest hashes to its files' current content."""
+    path = os.path.join(ckpt_dir, ckpt.MANIFEST)
+    man = json.load(open(path))
+    man["sha256"] = {name: ckpt._sha256(os.path.join(ckpt_dir, name)) for name in man["files"]}
+    json.dump(man, open(path, "w"))
+
+
+def test_flipped_bytes_of_the_same_size_are_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """Two flipped bytes in a checkpoint's model.safetensors (its size unchanged): resuming, by auto or by
+    path, is a ValueError naming the file, raised before the trainer builds a model."""
+    import dapo_trainer.trainer as trainer_mod
+
+    overrides = micro_setup(str(tmp_path)) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
+                                              "data.val_files=[]"]
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    d = os.path.join(str(tmp_path), "run", "checkpoints", "global_step_1")
+    weights = os.path.join(d, "model", "model.safetensors")
+    data = bytearray(open(weights, "rb").read())
+    for at in (len(data) - 40, len(data) - 7):  # tensor bytes, past the header
+        data[at] ^= 0xFF
+    open(weights, "wb").write(bytes(data))
+    assert ckpt.incomplete_reason(d) is None  # the sizes alone pass
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built from a corrupted checkpoint")
+
+    monkeypatch.setattr(trainer_mod, "build_model", no_model)
+    for extra in ([], ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={d}"]):
+        with pytest.raises(ValueError, match=r"model\.safetensors' does not match its sha256 in manifest.json"):
+            DAPOTrainer(load_config(overrides=overrides + ["trainer.total_training_steps=2"] + extra))
+
+
 def test_planted_pickle_is_refused_and_never_run(tmp_path):
     """A crafted pickle in place of a checkpoint's state files: resume refuses it, nothing runs."""
     overrides = micro_setup(str(tmp_path)) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
@@ -139,6 +173,7 @@ def test_planted_pickle_is_refused_and_never_run(tmp_path):
         size = os.path.getsize(path) if os.path.exists(path) else len(payload)
         with open(path, "wb") as f:
             f.write(payload + b"\0" * max(0, size - len(payload)))
+    _rehash(d)  # an attacker who can plant files can edit the manifest too: the loader must still refuse
     for extra in ([], ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={d}"]):  # auto, by path
         with pytest.raises(Exception) as err:
             DAPOTrainer(load_config(overrides=overrides + extra))
@@ -165,8 +200,8 @@ def test_state_file_round_trip_and_refusals(tmp_path):
                                                  "__x": True, (1, "a"): torch.zeros(0, 2)},
              "view_twice": [torch.ones(4)[:2], torch.ones(4)[2:]], "nan": float("nan")}
     path = str(tmp_path / "s.safetensors")
-    ckpt.save_state_file(state, path)
-    back = ckpt.load_state_file(path)
+    state_file.save_state_file(state, path)
+    back = state_file.load_state_file(path)
     assert torch.equal(back["rng"]["torch"], state["rng"]["torch"])
     assert back["rng"]["python"] == state["rng"]["python"]  # tuples survive: random.setstate takes them
     np.testing.assert_array_equal(back["rng"]["numpy"][1], state["rng"]["numpy"][1])
@@ -175,11 +210,11 @@ def test_state_file_round_trip_and_refusals(tmp_path):
     assert back["nested"]["__x"] is True and back["nested"][(1, "a")].shape == (0, 2)
     assert back["nan"] != back["nan"]
     with pytest.raises(TypeError, match=r"state\['f'\] is a function"):
-        ckpt.save_state_file({"f": lambda: 0}, path)
+        state_file.save_state_file({"f": lambda: 0}, path)
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(ValueError, match="bad.safetensors is not a dapo_trainer state file"):
-        ckpt.load_state_file(str(bad))
+        state_file.load_state_file(str(bad))
 
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path):

@@ -1,5 +1,6 @@
 """dapo_trainer.data: jsonl / parquet rows, the model directory's tokenizer, the resumable cursor."""
 import json
+import time
 
 import pytest
 
@@ -88,3 +89,49 @@ def test_cursor_deterministic_epochs_and_resume():
     assert [c3.next_batch() for _ in range(3)] == first[2:]
     with pytest.raises(ValueError, match="same data"):
         BatchCursor(11, 4).load_state_dict(c2.state_dict())
+
+
+# A few-MB prompt line: tokenised whole, the char-level tokenizer spends seconds of CPU on it.
+HUGE = "1+2=" * 500_000
+
+
+@pytest.mark.parametrize("truncation", ["left", "right", "error"])
+def test_huge_prompt_costs_what_the_limit_does(tmp_path, truncation):
+    """A 2 MB prompt held to 8 tokens: truncated (left / right: the same ids as cutting the whole
+    text's) or refused (error, naming the limit) within 0.5 s of CPU time, not by tokenising it all."""
+    write_char_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    t0 = time.process_time()
+    if truncation == "error":
+        with pytest.raises(ValueError, match="a prompt of 2000000 characters has over 8 tokens"):
+            encode_prompt(tok, HUGE, 8, truncation)
+    else:
+        ids = encode_prompt(tok, HUGE, 8, truncation)
+    assert time.process_time() - t0 < 0.5
+    if truncation != "error":
+        whole = tok.encode(HUGE)
+        assert ids == (whole[-8:] if truncation == "left" else whole[:8])
+
+
+def test_over_long_prompt_is_refused_on_load_naming_file_and_row(tmp_path, monkeypatch):
+    """data.truncation=error with a 2 MB prompt on row 3 of the train file: the trainer refuses at start-up,
+    before building a model, naming the file, line and row, within 2 s of CPU time."""
+    import dapo_trainer.trainer as trainer_mod
+    from dapo_trainer.config import load_config
+    from dapo_trainer.trainer import DAPOTrainer
+    from tests.trainer.tiny import micro_setup
+
+    overrides = micro_setup(str(tmp_path)) + ["data.truncation=error"]
+    lines = (tmp_path / "train.jsonl").read_text().splitlines(keepends=True)
+    lines[3] = json.dumps({"prompt": HUGE, "answer": "3"}) + "\n"
+    (tmp_path / "train.jsonl").write_text("".join(lines))
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(trainer_mod, "build_model", no_model)
+    t0 = time.process_time()
+    with pytest.raises(ValueError, match=r"train.jsonl:4 \(row 3\): a prompt of 2000000 characters has over 6 "
+                                         r"tokens.*data.max_prompt_length=6"):
+        DAPOTrainer(load_config(overrides=overrides))
+    assert time.process_time() - t0 < 2.0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dapo_kernels as dk
-from dapo_trainer.checkpoint import load_state_file
+from dapo_trainer.state_file import load_state_file
 from dapo_trainer.config import load_config
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.metrics import read_metrics

@@ -2,12 +2,14 @@
 reaches the reward function, a checkpoint of another model is refused, data.val_max_samples=-1
 keeps every row, a failed start leaves the metrics file alone, and what a run used is recorded."""
 import json
+import logging
 
 import pytest
 
 from dapo_trainer.config import load_config
+from dapo_trainer.state_file import load_state_file
 from dapo_trainer.trainer import DAPOTrainer
-from tests.trainer.tiny import micro_setup, write_tiny_model
+from tests.trainer.tiny import ALTERNATING_REWARD, micro_setup, write_tiny_model
 
 ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0"]
 
@@ -68,7 +70,7 @@ def test_run_records_its_config_and_a_failed_start_keeps_old_metrics(tmp_path, m
     def boom(*a, **k):
         raise RuntimeError("generation failed")
 
-    again = DAPOTrainer(load_config(overrides=overrides + ["trainer.resume_mode=disable"]))
+    again = DAPOTrainer(load_config(overrides=overrides + ["trainer.total_training_steps=2"]))  # resumes step 1
     monkeypatch.setattr(again, "train_step", boom)
     with pytest.raises(RuntimeError, match="generation failed"):
         again.fit()
@@ -130,3 +132,22 @@ def test_checkpoint_path_that_is_a_file_fails_at_start_up(tmp_path):
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(ValueError, match="trainer.default_local_dir"):
         DAPOTrainer(load_config(overrides=overrides))
+
+
+
+def test_resume_with_another_rollout_n_drops_the_carried_groups_and_trains(tmp_path, caplog):
+    """A checkpoint carrying over a kept group of rollout.n=4 responses, resumed with rollout.n=3: the
+    group is dropped with a warning naming both values, and the next train batch holds whole groups of 3
+    (before, a carried group of 4 split across the batch and the next carry-over)."""
+    overrides = micro_setup(str(tmp_path), ALTERNATING_REWARD) + ONE_STEP + ["data.val_files=[]"]
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    state = load_state_file(str(tmp_path / "run" / "checkpoints" / "global_step_1" / "state_rank0.safetensors"))
+    assert state["accumulator"]["num_buffered_groups"] == 1  # 3 kept of 3 generated, 2 trained on
+    with caplog.at_level(logging.WARNING, logger="dapo_trainer.generation"):
+        resumed = DAPOTrainer(load_config(overrides=overrides + ["trainer.total_training_steps=2",
+                                                                 "actor_rollout_ref.rollout.n=3"]))
+    assert "carries over 1 kept groups of actor_rollout_ref.rollout.n=4 responses each; this run has " \
+           "rollout.n=3" in caplog.text
+    batch, metrics = resumed.generation.collect(2)
+    assert batch["group_index"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch["response_ids"].shape[0] == 6 and metrics["train/carried_in_groups"] == 0

@@ -61,6 +61,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     s = sum(int(c) for c in solution_str if c.isdigit())
     return {"score": float(s % 2), "acc": float(s % 2)}
 """
+# Rewards 1, 0, 1, 0, ... in call order: every group of two or more responses is mixed, so always kept.
+ALTERNATING_REWARD = """
+_calls = [0]
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    _calls[0] += 1
+    return float(_calls[0] % 2)
+"""
 ZERO_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 0.0

@@ -13,12 +13,12 @@ from .lse import lse_dtype
 from .tiles import (_GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _dkdv_tma, _kernel_row, _outer_block,
                     _tile_dim)
 from .triton_fwd_tma import _varlen_attention_fwd_hopper_kernel, ensure_allocator, tma_offered
-from .triton_kernels import (
+from .triton_bwd import (
     _varlen_attention_bwd_delta_kernel,
     _varlen_attention_bwd_dkdv_kernel,
     _varlen_attention_bwd_dq_kernel,
-    _varlen_attention_fwd_kernel,
 )
+from .triton_kernels import _varlen_attention_fwd_kernel
 
 _LOG2E = 1.4426950408889634
 # Elements of the delta preprocess per program ([rows, D] tiles of O and dO, fp64, 8 warps): few

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import _inner_configs, _prune
+from .tiles import LENGTH_KEY, _inner_configs, _prune
 from .triton_kernels import (
     _cast,
     _finite_or_zero,
@@ -184,12 +184,12 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_v, stride_kv, p_q, p_do, p_lse, p_delta,
 # reset_to_zero: timing a config adds into the dQ buffer (ATOMIC_DQ); the autotuner zeroes it
 # before each timed run and before the run that counts.
 @triton.autotune(configs=_inner_configs("dkdv", "BLOCK_M"),
-                 key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "ATOMIC_DQ", "DOT_T"],
+                 key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "ATOMIC_DQ", "DOT_T", *LENGTH_KEY],
                  prune_configs_by=_prune("dkdv", "BLOCK_M"), reset_to_zero=["p_dq"])
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_KEY)
 def _varlen_attention_bwd_dkdv_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_dq, p_cu, p_work, T, Hkv, GROUP, qk_scale, sm_scale,
-    cap, win_left, win_right,
+    cap, win_left, win_right, len_bucket, tok_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr, FINITE_QDO: tl.constexpr,
@@ -321,12 +321,13 @@ def _dq_inner(b_dq, b_q, b_do, p_do, stride_q, b_lse, b_delta, p_k, p_v, stride_
     return b_dq
 
 
-@triton.autotune(configs=_inner_configs("dq", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
+@triton.autotune(configs=_inner_configs("dq", "BLOCK_N"),
+                 key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T", *LENGTH_KEY],
                  prune_configs_by=_prune("dq", "BLOCK_N"))
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_KEY)
 def _varlen_attention_bwd_dq_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, p_cu, p_work, T, Hq, GROUP, qk_scale, sm_scale,
-    cap, win_left, win_right,
+    cap, win_left, win_right, len_bucket, tok_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, DP_F64: tl.constexpr, INTERPRET: tl.constexpr,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import _inner_configs, _prune
+from .tiles import LENGTH_KEY, _inner_configs, _prune
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -174,11 +174,12 @@ def _softmax_step(b_acc, b_l, b_m, b_s, b_scale, b_v, DOT_T: tl.constexpr, PREC:
     return b_acc * b_alpha[:, None] + b_pv, b_l, b_m_new
 
 
-@triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
+@triton.autotune(configs=_inner_configs("fwd", "BLOCK_N"),
+                 key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T", *LENGTH_KEY],
                  prune_configs_by=_prune("fwd", "BLOCK_N"))
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_KEY)
 def _varlen_attention_fwd_kernel(
-    p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
+    p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right, len_bucket, tok_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,

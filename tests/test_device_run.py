@@ -153,7 +153,7 @@ def test_a_timeout_leaves_no_process_behind(tmp_path):
     whole process group); it ran in the run's session, not one of its own that would outlive the command."""
     pids = tmp_path / "pids"
     proc = _toy_run(tmp_path / "out", DEVICE_RUN_CHECKS="packing", DEVICE_RUN_FAULT="packing:run:hang",
-                    DEVICE_RUN_FAULT_PIDS=str(pids), DEVICE_RUN_TIMEOUT_packing="45")
+                    DEVICE_RUN_FAULT_PIDS=str(pids), DEVICE_RUN_TIMEOUT_packing="90")
     log = proc.communicate(timeout=300)[0]
     check, child, session = _hang_pids(pids, timeout=1)
     assert session == os.getsid(0), "the check ran in a session of its own"

@@ -163,18 +163,19 @@ def _on_signal(signum, frame):
     raise _Killed(signal.Signals(signum).name)
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGTERM the process group, give it 5 s, then SIGKILL whatever is left of it (children that ignore
-    SIGTERM, or that outlived their parent)."""
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group led by ``proc``, give it 5 s, then SIGKILL whatever is left of it (children
+    that ignore SIGTERM, or that outlived their parent); the leader is reaped on the way."""
     for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
         try:
-            os.killpg(pgid, sig)
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         deadline = time.time() + grace
         while time.time() < deadline:
+            proc.poll()  # (an unreaped leader would keep the group alive)
             try:
-                os.killpg(pgid, 0)
+                os.killpg(proc.pid, 0)
             except ProcessLookupError:
                 return
             time.sleep(0.1)
@@ -192,7 +193,7 @@ def _run(cmd: List[str], limit: float, log, env: Dict[str, str], cwd=ROOT) -> tu
         except subprocess.TimeoutExpired:
             rc = None
         finally:  # time limit, a signal to this run, or a normal exit: nothing of the group stays behind
-            _kill_group(proc.pid)
+            _kill_group(proc)
             proc.wait()
         buf.seek(0)
         out = buf.read()
@@ -321,7 +322,8 @@ def markdown(result: dict, out_dir: pathlib.Path) -> str:
         fails = sum(r["status"] == "FAIL" for r in c["rows"])
         lines.append(f"| {c['name']} | {c['status']} | {c['seconds']} ({c['limit_s']}) | {len(c['rows'])} | {fails} |")
     rows = [r for c in result["checks"] for r in c["rows"]]
-    untimed = [r for r in rows if r["ms"] is None and r["status"] in ("ok", "FAIL")]  # correctness rows first
+    # First: the correctness rows (untimed, not skipped) and every FAIL row.
+    untimed = [r for r in rows if r["status"] == "FAIL" or (r["ms"] is None and r["status"] == "ok")]
     head = ["| op | case | impl | time (ms) | metric | status | note |", "|---|---|---|---|---|---|---|"]
     lines += ["", f"Correctness and failures ({sum(r['status'] == 'FAIL' for r in rows)} FAIL rows):", "", *head,
               *(_row_cell(r) for r in untimed)]
@@ -335,7 +337,7 @@ def markdown(result: dict, out_dir: pathlib.Path) -> str:
             lines += ["", f"aot.json unreadable: {e}"]
     lines += ["", "Predicted (aot_model, an estimate) beside measured, the same problem:", "",
               *comparison(rows, records), "", "Every other row:", "", *head,
-              *(_row_cell(r) for r in rows if r not in untimed)]
+              *(_row_cell(r) for r in rows if all(r is not u for u in untimed))]
     if any(r.kernel in aot.MATMUL_KERNELS for r in records):
         lines += ["", "AOT instruction shapes, occupancy and the model's estimate:", "", aot.shapes_table(records),
                   "", aot_model.summarize(records)]

@@ -26,6 +26,11 @@ Rules (:func:`violations`; documented breaks in the one table :data:`EXCEPTIONS`
 within the chip's per-block limit, no spills, and on sm_90 every dot of a 16-bit matmul kernel a
 ``wgmma`` with N >= 64 and no ``mma.sync`` in any kernel.
 
+``--jsonl F`` appends each kernel's record to ``F`` as it is compiled (worker i of ``--jobs``: ``F.i``), so
+a run killed or failed part-way keeps what it compiled (:func:`read_jsonl`; ``device_run.py`` rebuilds
+``aot.json`` from it); with ``--jobs``, a failed worker's records are merged all the same and the run
+exits 1.
+
 ``--set full`` (default) is the sweep recorded in benchmarks/RESULTS.md; ``--set test`` the subset
 tests/test_aot_compile.py compiles (see :func:`cases`). Compiled kernels are cached on disk by
 Triton (``TRITON_CACHE_DIR``, default ``.cache/triton-aot`` in the checkout).
@@ -35,11 +40,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -396,14 +403,33 @@ def summary(records: List[Record]) -> str:
     return "\n".join(lines)
 
 
-def _write(records: List[Record], args) -> int:
-    records.sort(key=lambda r: (ARCHS.index(r.arch), r.case))  # stable: compile order within a case
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in records]))
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text("\n\n".join([
+def read_jsonl(prefix: str) -> List[Record]:
+    """The records appended to ``prefix`` and its workers' ``prefix.i`` (``--jsonl``); a line cut short by a
+    killed writer is skipped."""
+    records = []
+    for path in sorted(p for p in glob.glob(glob.escape(prefix) + "*") if p == prefix or
+                       re.fullmatch(r"\.\d+", p[len(prefix):])):
+        for line in pathlib.Path(path).read_text().splitlines():
+            try:
+                records.append(Record(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+    return records
+
+
+def write_files(records: List[Record], json_path: Optional[str], md_path: Optional[str]) -> None:
+    """Sort ``records`` (stable: compile order within a case) and write the JSON and markdown where given."""
+    records.sort(key=lambda r: (ARCHS.index(r.arch), r.case))
+    if json_path:
+        pathlib.Path(json_path).write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    if md_path:
+        pathlib.Path(md_path).write_text("\n\n".join([
             summary(records), "Instruction shapes, occupancy and the model's estimate (aot_model):",
             shapes_table(records), aot_model.summarize(records), markdown(records)]) + "\n")
+
+
+def _write(records: List[Record], args) -> int:
+    write_files(records, args.json, args.markdown)
     unexpected = [f"{r.kernel} [{r.config}] {r.dtype} {r.inputs} sm_{r.arch}: {v}"
                   for r in records for v in violations(r) if not exception_of(r, v)]
     print(shapes_table(records) + "\n\n" + aot_model.summarize(records))
@@ -419,6 +445,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (cases dealt round-robin)")
     ap.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--jsonl", help="append each record here as it is compiled (worker i of --jobs: F.i)")
+    ap.add_argument("--die-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: SIGKILL after N records
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--check", action="store_true", help="exit 1 on a rule break outside EXCEPTIONS")
     ap.add_argument("--driver", action="store_true",
@@ -435,11 +463,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     selected = [(i, c) for i, c in enumerate(cases(args.set)) if not args.ops or c.op in args.ops][shard::shards]
     records = []
+
+    def log(r: Record) -> None:
+        print(f"{r.kernel:36s} {r.config:40s} {r.dtype:8s} {r.inputs:18s} sm_{r.arch} regs={r.regs:3d} "
+              f"stack={r.stack} smem={r.smem} blocks={r.blocks} {r.mma} {r.compile_s}s {'; '.join(violations(r))}",
+              file=sys.stderr, flush=True)
+        if args.jsonl:  # one line per kernel as it finishes: a killed run keeps these
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+        n_done[0] += 1
+        if n_done[0] == args.die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    n_done = [0]
+    if args.jsonl:
+        open(args.jsonl, "w").close()  # this run's records only
     for arch in args.arch:
-        records += compile_cases(arch, selected, driver_check=args.driver, log=lambda r: print(
-            f"{r.kernel:36s} {r.config:40s} {r.dtype:8s} {r.inputs:18s} sm_{r.arch} regs={r.regs:3d} "
-            f"stack={r.stack} smem={r.smem} blocks={r.blocks} {r.mma} {r.compile_s}s {'; '.join(violations(r))}",
-            file=sys.stderr, flush=True))
+        records += compile_cases(arch, selected, driver_check=args.driver, log=log)
     print(f"compiled {len(records)} kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return _write(records, args)
 
@@ -447,15 +487,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run_jobs(args) -> int:
     """Deal the cases to ``--jobs`` processes, then merge their records."""
     with tempfile.TemporaryDirectory() as tmp:
+        prefix = args.jsonl or f"{tmp}/part"
         procs = [subprocess.Popen([sys.executable, __file__, "--set", args.set, "--arch", *map(str, args.arch),
                                    *(["--ops", *args.ops] if args.ops else []), "--shard", f"{i}/{args.jobs}",
-                                   *(["--driver"] if args.driver else []), "--json", f"{tmp}/{i}.json"],
+                                   *(["--driver"] if args.driver else []), "--jsonl", f"{prefix}.{i}",
+                                   *(["--die-after", str(args.die_after)] if args.die_after else [])],
                                   stdout=subprocess.DEVNULL) for i in range(args.jobs)]
-        if any(p.wait() for p in procs):
-            return 1
-        records = [Record(**r) for i in range(args.jobs)
-                   for r in json.loads(pathlib.Path(f"{tmp}/{i}.json").read_text())]
-    return _write(records, args)
+        failed = [(i, rc) for i, rc in enumerate(p.wait() for p in procs) if rc]
+        records = read_jsonl(prefix)  # a failed worker's compiled kernels are kept too
+    rc = _write(records, args)
+    for i, code in failed:
+        print(f"aot worker {i}/{args.jobs} failed (exit {code}); the kernels it compiled are kept", file=sys.stderr)
+    return 1 if failed else rc
 
 
 if __name__ == "__main__":

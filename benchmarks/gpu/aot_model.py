@@ -282,29 +282,26 @@ def _best(records, prefix: str, need: str = "", avoid: str = ""):
     return min(rs, key=lambda r: r.model["ms"]) if rs else None
 
 
-def summarize(records) -> str:
-    """Per op and inputs on sm_90, the model's end-to-end estimate from the fastest config of each
-    kernel. Attention: forward FLOPs 4 D per score; backward counted as FlashAttention counts it,
-    5 products (10 D per score) whatever the kernels recompute; deterministic = delta + dK/dV + dQ
-    kernels, atomic = delta + the dK/dV kernel with atomic dQ. lm_head: the Triton statistics and
-    dlogits passes plus dH and dW by cuBLAS at ``PEAK_TFLOPS``, against the three bare matmuls."""
+def estimates(records) -> Dict[tuple, dict]:
+    """Per (op, dtype, inputs) on sm_90, the model's end-to-end estimate from the fastest config of each kernel
+    (see :func:`summarize`): attention ``fwd``, ``bwd_det``, ``bwd_atomic`` TFLOP/s (None where a kernel is
+    missing); lm_head ``stats`` and ``dlogits`` TFLOP/s, ``ms`` and ``matmuls_ms`` of the fused step and its
+    ``tflops`` (6 N H V FLOPs); each with ``problem``."""
     rs = [r for r in records if r.arch == 90 and r.model]
-    lines = ["| op | dtype | inputs (model problem) | forward TFLOP/s | backward TFLOP/s: deterministic | "
-             "atomic dQ | vs the three bare matmuls |", "|---|---|---|---|---|---|---|"]
+    out = {}
     for (op, dtype, inputs) in dict.fromkeys((r.op, r.dtype, r.inputs) for r in rs):
         group = [r for r in rs if (r.op, r.dtype, r.inputs) == (op, dtype, inputs)]
-        prob = group[0].model["problem"]
+        est = dict(problem=group[0].model["problem"])
         if op == "varlen_attention":
             fwd, delta = _best(group, "_varlen_attention_fwd"), _best(group, "_varlen_attention_bwd_delta")
             det, dq = _best(group, "_varlen_attention_bwd_dkdv", avoid="ATOMIC_DQ=True"), _best(
                 group, "_varlen_attention_bwd_dq")
             atomic = _best(group, "_varlen_attention_bwd_dkdv", need="ATOMIC_DQ=True")
-            fpd = (fwd or det).model["flops_per_dot"]
+            fpd = (fwd or det or atomic or group[0]).model["flops_per_dot"]
             t_delta = delta.model["ms"] if delta else 0.0
-            bwd_det = (f"{5 * fpd / (t_delta + det.model['ms'] + dq.model['ms']) / 1e9:.0f}" if det and dq else "-")
-            bwd_atomic = (f"{5 * fpd / (t_delta + atomic.model['ms']) / 1e9:.0f}" if atomic else "- (dQ kernel)")
-            lines.append(f"| {op} | {dtype} | {inputs} ({prob}) | {fwd.model['tflops'] if fwd else '-'} | "
-                         f"{bwd_det} | {bwd_atomic} | |")
+            est.update(fwd=fwd.model["tflops"] if fwd else None,
+                       bwd_det=5 * fpd / (t_delta + det.model["ms"] + dq.model["ms"]) / 1e9 if det and dq else None,
+                       bwd_atomic=5 * fpd / (t_delta + atomic.model["ms"]) / 1e9 if atomic else None)
         elif op == "linear_log_probs":
             stats, grads = _best(group, "_linear_log_probs_fwd"), _best(group, "_linear_log_probs_bwd")
             if not (stats and grads):
@@ -312,7 +309,28 @@ def summarize(records) -> str:
             fpd = stats.model["flops_per_dot"]
             t_mm = fpd / (PEAK_TFLOPS * 1e9)  # ms of one [N, H] x [H, V] matmul at cuBLAS speed
             t_ours = stats.model["ms"] + grads.model["ms"] + 2 * t_mm
-            lines.append(f"| {op} / fused loss | {dtype} | {inputs} ({prob}) | stats {stats.model['tflops']} | "
-                         f"dlogits {grads.model['tflops']} + dH, dW at {PEAK_TFLOPS:.0f} | | "
-                         f"{t_ours:.1f} ms vs {3 * t_mm:.1f} ms: {t_ours / (3 * t_mm):.2f}x |")
+            est.update(stats=stats.model["tflops"], dlogits=grads.model["tflops"], ms=t_ours, matmuls_ms=3 * t_mm,
+                       tflops=3 * fpd / t_ours / 1e9)
+        out[op, dtype, inputs] = est
+    return out
+
+
+def summarize(records) -> str:
+    """Per op and inputs on sm_90, the model's end-to-end estimate from the fastest config of each
+    kernel. Attention: forward FLOPs 4 D per score; backward counted as FlashAttention counts it,
+    5 products (10 D per score) whatever the kernels recompute; deterministic = delta + dK/dV + dQ
+    kernels, atomic = delta + the dK/dV kernel with atomic dQ. lm_head: the Triton statistics and
+    dlogits passes plus dH and dW by cuBLAS at ``PEAK_TFLOPS``, against the three bare matmuls."""
+    lines = ["| op | dtype | inputs (model problem) | forward TFLOP/s | backward TFLOP/s: deterministic | "
+             "atomic dQ | vs the three bare matmuls |", "|---|---|---|---|---|---|---|"]
+    for (op, dtype, inputs), e in estimates(records).items():
+        if op == "varlen_attention":
+            bwd_det = f"{e['bwd_det']:.0f}" if e["bwd_det"] else "-"
+            bwd_atomic = f"{e['bwd_atomic']:.0f}" if e["bwd_atomic"] else "- (dQ kernel)"
+            lines.append(f"| {op} | {dtype} | {inputs} ({e['problem']}) | {e['fwd'] or '-'} | {bwd_det} | "
+                         f"{bwd_atomic} | |")
+        elif op == "linear_log_probs":
+            lines.append(f"| {op} / fused loss | {dtype} | {inputs} ({e['problem']}) | stats {e['stats']} | "
+                         f"dlogits {e['dlogits']} + dH, dW at {PEAK_TFLOPS:.0f} | | "
+                         f"{e['ms']:.1f} ms vs {e['matmuls_ms']:.1f} ms: {e['ms'] / e['matmuls_ms']:.2f}x |")
     return "\n".join(lines)

@@ -81,26 +81,36 @@ def _correctness(report):
         return loss, lp, ent
 
     names = ("value", "log_prob", "entropy", "dhidden", "dweight")
+    case = f"N{N_CHECK}-H{H}-V{V}-bf16 vs fp64"
     for op, ours, theirs in (("linear_log_probs", lin_dk, lin_ref), ("fused_loss", fused_dk, fused_ref)):
-        r64 = _grads(theirs, hidden, weight, torch.float64)
-        plain = _grads(theirs, hidden, weight, torch.bfloat16)
-        for be in ("triton", "torch"):
-            with dk.use_backend(be):
-                out = _grads(ours, hidden, weight, torch.bfloat16)
-            bad, worst = [], 0.0
-            for name, o, r, p in zip(names, out, r64, plain):
-                floor = torch.finfo(o.dtype if o.dtype != torch.float64 else torch.float32).eps * r.abs().max().item()
-                bound = 2 * max(_err(p, r), floor)
-                worst = max(worst, _err(o, r) / bound)
-                if _err(o, r) > bound:
-                    bad.append(f"{name} {_err(o, r):.2e}>{bound:.2e}")
-            lp_err = _err(out[1], r64[1])
-            if lp_err >= 1e-3:
-                bad.append(f"log_prob err {lp_err:.2e} >= 1e-3")
-            report.add(op, f"N{N_CHECK}-H{H}-V{V}-bf16 vs fp64", impl=f"dk {be}",
-                       metric=f"lp err {lp_err:.1e}, worst err/bound {worst:.2f}",
-                       status="FAIL" if bad else "ok", note="; ".join(bad)[:120])
-        del r64, plain
+        with report.section(op, case, impl="references (fp64, bf16)"):  # each op and backend: one row, even failing
+            r64 = _grads(theirs, hidden, weight, torch.float64)
+            plain = _grads(theirs, hidden, weight, torch.bfloat16)
+            for be in ("triton", "torch"):
+                with report.section(op, case, impl=f"dk {be}"):
+                    _compare(report, op, case, be, _grads_in(be, ours, hidden, weight), r64, plain, names)
+            del r64, plain
+
+
+def _grads_in(be, fn, hidden, weight):
+    with dk.use_backend(be):
+        return _grads(fn, hidden, weight, torch.bfloat16)
+
+
+def _compare(report, op, case, be, out, r64, plain, names):
+    """One row: every output within 2x plain bf16 torch's error against fp64, log-prob error < 1e-3."""
+    bad, worst = [], 0.0
+    for name, o, r, p in zip(names, out, r64, plain):
+        floor = torch.finfo(o.dtype if o.dtype != torch.float64 else torch.float32).eps * r.abs().max().item()
+        bound = 2 * max(_err(p, r), floor)
+        worst = max(worst, _err(o, r) / bound)
+        if _err(o, r) > bound:
+            bad.append(f"{name} {_err(o, r):.2e}>{bound:.2e}")
+    lp_err = _err(out[1], r64[1])
+    if lp_err >= 1e-3:
+        bad.append(f"log_prob err {lp_err:.2e} >= 1e-3")
+    report.add(op, case, impl=f"dk {be}", metric=f"lp err {lp_err:.1e}, worst err/bound {worst:.2f}",
+               status="FAIL" if bad else "ok", note="; ".join(bad)[:120])
 
 
 def _step_dk(hidden, weight, labels, old, adv, mask):
@@ -172,8 +182,11 @@ def _speed(report):
     flops = 6 * N * H * V
     case = f"N{N}-H{H}-V{V}-bf16 fwd+bwd"
 
-    base_ms = _matmuls_ms(hidden, weight)
-    report.add("fused_loss", case, impl="3 bf16 matmuls", ms=base_ms, metric=f"{flops / base_ms / 1e9:.0f} TFLOP/s")
+    base_ms = None  # (the rows below leave out their ratio to it if it failed)
+    with report.section("fused_loss", case, impl="3 bf16 matmuls"):
+        base_ms = _matmuls_ms(hidden, weight)
+        report.add("fused_loss", case, impl="3 bf16 matmuls", ms=base_ms, metric=f"{flops / base_ms / 1e9:.0f} TFLOP/s",
+                   tflops=flops / base_ms / 1e9)
     torch.cuda.empty_cache()
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -197,14 +210,16 @@ def _speed(report):
                 ms = cuda_time_ms(run, warmup=1, iters=3)
                 h.grad = w.grad = None
                 mem = peak_mem_mb(run)
-            metric = f"{flops / ms / 1e9:.0f} TFLOP/s, {ms / base_ms:.2f}x matmuls, peak +{mem:.0f} MiB"
+            ratio = f", {ms / base_ms:.2f}x matmuls" if base_ms else ""
+            metric = f"{flops / ms / 1e9:.0f} TFLOP/s{ratio}, peak +{mem:.0f} MiB"
             if impl.startswith("dk"):
                 grads_mib = (h.numel() * h.element_size() + w.numel() * w.element_size()) / 2**20
                 model_mib = workspace_bytes(N, H, V, h.dtype) / 2**20
                 metric += f" = grads {grads_mib:.0f} + workspace {mem - grads_mib:.0f} (model {model_mib:.0f})"
-                pred = base_ms + _extra_bytes(N, H, V, h.element_size()) / HBM_BYTES_PER_S * 1e3
-                metric += f"; predicted {pred:.1f} ms ({pred / base_ms:.2f}x) from bytes"
-            report.add("fused_loss", case, impl=impl, ms=ms, metric=metric)
+                if base_ms:
+                    pred = base_ms + _extra_bytes(N, H, V, h.element_size()) / HBM_BYTES_PER_S * 1e3
+                    metric += f"; predicted {pred:.1f} ms ({pred / base_ms:.2f}x) from bytes"
+            report.add("fused_loss", case, impl=impl, ms=ms, metric=metric, tflops=flops / ms / 1e9)
         except Exception as e:  # Liger / naive out of memory or broken: a row, not a crash
             report.add("fused_loss", case, impl=impl, status="skip" if impl != "dk triton" else "FAIL",
                        note=f"{type(e).__name__}: {e}"[:120])
@@ -213,6 +228,8 @@ def _speed(report):
 
 
 def run(report):
-    _correctness(report)
+    with report.section("fused_loss", "correctness"):
+        _correctness(report)
     torch.cuda.empty_cache()
-    _speed(report)
+    with report.section("fused_loss", "speed"):
+        _speed(report)

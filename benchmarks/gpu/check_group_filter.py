@@ -81,20 +81,21 @@ def _check_size(report, N: int, verl_fn) -> None:
         "triton index": lambda: dk.group_filter(scores, gi, G),
         "triton group_size": lambda: dk.group_filter(scores, group_size=N_PER_PROMPT),
     }
-    with dk.use_backend("triton"):
-        for impl, fn in calls.items():
+    for impl, fn in calls.items():
+        with report.section(OP, case, impl=impl), dk.use_backend("triton"):
             fn()  # compile outside the sync check
             with _no_host_sync():
                 res = fn()
             bad = _compare(res, ref if impl == "triton index" else ref_contig)
             report.add(OP, case, impl=impl, ms=cuda_time_ms(fn), metric=f"kept {int(res.num_kept_groups)}/{G}",
                        status="FAIL" if bad else "ok", note=bad or "no host sync")
-    with dk.use_backend("torch"):
+    with report.section(OP, case, impl="torch path (cuda)"), dk.use_backend("torch"):
         report.add(OP, case, impl="torch path (cuda)", ms=cuda_time_ms(lambda: dk.group_filter(scores, gi, G)))
     if verl_fn is not None:
-        rewards, mask = scores[:, None], torch.ones(N, 1, device="cuda")
-        report.add(OP, case, impl="verl grpo_vectorized", ms=cuda_time_ms(lambda: verl_fn(rewards, mask, gi)),
-                   note="advantages only")
+        with report.section(OP, case, impl="verl grpo_vectorized"):
+            rewards, mask = scores[:, None], torch.ones(N, 1, device="cuda")
+            report.add(OP, case, impl="verl grpo_vectorized", ms=cuda_time_ms(lambda: verl_fn(rewards, mask, gi)),
+                       note="advantages only")
 
 
 def _check_invalid(report) -> None:
@@ -125,7 +126,10 @@ def run(report) -> None:
     verl_fn = _verl_vectorized()
     if verl_fn is None:
         report.add(OP, "peers", impl="verl", status="skip", note="verl not importable on this machine")
+    with report.section(OP, "NaN score, N=4096", impl="triton index"):  # correctness first
+        _check_invalid(report)
+    with report.section("overlong_penalty", "N=131072", impl="triton"):
+        _check_overlong(report)
     for N in SIZES:
-        _check_size(report, N, verl_fn)
-    _check_invalid(report)
-    _check_overlong(report)
+        with report.section(OP, f"N={N} n={N_PER_PROMPT}", impl="inputs and torch reference"):
+            _check_size(report, N, verl_fn)

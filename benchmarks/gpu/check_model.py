@@ -66,19 +66,25 @@ def _mfu(report):
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     case = f"0.5B bf16 T{tokens}"
     for ckpt in (False, True):
-        model.activation_checkpointing = ckpt
+        with report.section("model", case + (" ckpt" if ckpt else ""), impl="fwd+bwd+log_probs"):
+            _time_step(report, model, (ids, cu, max_seqlen, valid), ckpt, flops, peak, case, ok, loss)
 
-        def step():
-            _train_step(model, ids, cu, max_seqlen, valid)
-            model.zero_grad(set_to_none=True)
 
-        ms = cuda_time_ms(step, warmup=1, iters=5)
-        mem = peak_mem_mb(step)
-        tflops = flops / ms / 1e9
-        mfu = f", MFU {100 * tflops * 1e12 / peak:.1f}%" if peak else ""
-        report.add("model", case + (" ckpt" if ckpt else ""), impl="fwd+bwd+log_probs", ms=ms,
-                   metric=f"{tokens / ms * 1e3:,.0f} tok/s, {tflops:.0f} TFLOP/s{mfu}, peak {mem / 1024:.1f} GiB",
-                   status="ok" if ok else "FAIL", note="" if ok else f"loss {loss.item()}")
+def _time_step(report, model, batch, ckpt, flops, peak, case, ok, loss):
+    model.activation_checkpointing = ckpt
+
+    def step():
+        _train_step(model, *batch)
+        model.zero_grad(set_to_none=True)
+
+    ms = cuda_time_ms(step, warmup=1, iters=5)
+    mem = peak_mem_mb(step)
+    tflops = flops / ms / 1e9
+    mfu = f", MFU {100 * tflops * 1e12 / peak:.1f}%" if peak else ""
+    tok_s = batch[0].shape[0] / ms * 1e3
+    report.add("model", case + (" ckpt" if ckpt else ""), impl="fwd+bwd+log_probs", ms=ms,
+               metric=f"{tok_s:,.0f} tok/s, {tflops:.0f} TFLOP/s{mfu}, peak {mem / 1024:.1f} GiB",
+               status="ok" if ok else "FAIL", note="" if ok else f"loss {loss.item()}", tflops=tflops)
 
 
 def _parity(report):
@@ -97,6 +103,8 @@ def _parity(report):
 
 
 def run(report):
-    _parity(report)
-    _mfu(report)  # its 0.5B model is freed on return
+    with report.section("model", "2-layer fp32 GPU vs CPU", impl="logits"):
+        _parity(report)
+    with report.section("model", "0.5B bf16", impl="fwd+bwd+log_probs"):
+        _mfu(report)  # its 0.5B model is freed on return
     torch.cuda.empty_cache()

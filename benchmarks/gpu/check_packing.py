@@ -29,38 +29,47 @@ def _peer_pad(xu, idx):
 
 
 def run(report):
-    bw = copy_bandwidth_gbs()
-    report.add("packing", "device copy bandwidth", impl="x.copy_(y) 1 GiB", metric=f"{bw:.0f} GB/s")
+    bw = None  # (the rows below leave out their share of it if it failed)
+    with report.section("packing", "device copy bandwidth", impl="x.copy_(y) 1 GiB"):
+        bw = copy_bandwidth_gbs()
+        report.add("packing", "device copy bandwidth", impl="x.copy_(y) 1 GiB", metric=f"{bw:.0f} GB/s")
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = torch.randint(S // 8, S + 1, (B,), device="cuda", generator=g)
     mask = torch.arange(S, device="cuda")[None, :] < lens[:, None]
     for H, dtype in CASES:
-        x = torch.randn(B, S, H, device="cuda", dtype=dtype, generator=g)
-        case = f"B{B}-S{S}-H{H}-{str(dtype)[6:]} ({x.numel() * x.element_size() / 2**30:.1f} GiB)"
-        with dk.use_backend("triton"):
-            xu, idx, cu, mx, _ = dk.unpad_input(x, mask)
-            back = dk.pad_input(xu, idx, B, S)
-        ref_u, ref_idx = _peer_unpad(x, mask)
-        ok = torch.equal(xu, ref_u) and torch.equal(idx, ref_idx) and torch.equal(back.reshape(B * S, H), _peer_pad(ref_u, ref_idx))
-        x2d = x.reshape(B * S, H)
-        # Bytes each direction must move at least: unpad reads and writes nnz rows; pad
-        # reads nnz rows and writes all B*S rows.
-        timings = (
-            ("unpad_input", 2 * xu.numel() * x.element_size(),
-             (("dk triton", lambda: dk.unpad_input(x, mask)), ("nonzero+gather", lambda: _peer_unpad(x, mask)))),
-            ("pad_input", (xu.numel() + x.numel()) * x.element_size(),
-             (("dk triton", lambda: dk.pad_input(xu, idx, B, S)), ("zeros+index_put", lambda: _peer_pad(xu, idx)))),
-            ("unpad kernel", 2 * xu.numel() * x.element_size(),
-             (("dapo::index_rows", lambda: index_rows(x2d, idx)),)),
-            ("pad kernel", (xu.numel() + x.numel()) * x.element_size(),
-             (("dapo::scatter_rows", lambda: scatter_rows(xu, idx, B * S)),)),
-        )
-        for op, nbytes, impls in timings:
-            for impl, fn in impls:
-                with dk.use_backend("triton"):
-                    ms = cuda_time_ms(fn)
+        case = f"B{B}-S{S}-H{H}-{str(dtype)[6:]}"
+        with report.section("packing", case, impl="dk triton vs peer recipe"):
+            _case(report, g, mask, H, dtype, case, bw)
+
+
+def _case(report, g, mask, H, dtype, case, bw):
+    """One hidden size and dtype: exactness against the peer recipe, then each timing in its own section."""
+    x = torch.randn(B, S, H, device="cuda", dtype=dtype, generator=g)
+    with dk.use_backend("triton"):
+        xu, idx, cu, mx, _ = dk.unpad_input(x, mask)
+        back = dk.pad_input(xu, idx, B, S)
+    ref_u, ref_idx = _peer_unpad(x, mask)
+    ok = (torch.equal(xu, ref_u) and torch.equal(idx, ref_idx)
+          and torch.equal(back.reshape(B * S, H), _peer_pad(ref_u, ref_idx)))
+    report.add("packing", case, impl="dk triton vs peer recipe", metric="unpad + pad exact" if ok else "",
+               status="ok" if ok else "FAIL", note="" if ok else "differs from the peer recipe")
+    x2d = x.reshape(B * S, H)
+    # Bytes each direction must move at least: unpad reads and writes nnz rows; pad
+    # reads nnz rows and writes all B*S rows.
+    timings = (
+        ("unpad_input", 2 * xu.numel() * x.element_size(),
+         (("dk triton", lambda: dk.unpad_input(x, mask)), ("nonzero+gather", lambda: _peer_unpad(x, mask)))),
+        ("pad_input", (xu.numel() + x.numel()) * x.element_size(),
+         (("dk triton", lambda: dk.pad_input(xu, idx, B, S)), ("zeros+index_put", lambda: _peer_pad(xu, idx)))),
+        ("unpad kernel", 2 * xu.numel() * x.element_size(),
+         (("dapo::index_rows", lambda: index_rows(x2d, idx)),)),
+        ("pad kernel", (xu.numel() + x.numel()) * x.element_size(),
+         (("dapo::scatter_rows", lambda: scatter_rows(xu, idx, B * S)),)),
+    )
+    for op, nbytes, impls in timings:
+        for impl, fn in impls:
+            with report.section(op, case, impl=impl), dk.use_backend("triton"):
+                ms = cuda_time_ms(fn)
                 gbs = nbytes / ms / 1e6
-                report.add(op, case, impl=impl, ms=ms, metric=f"{gbs:.0f} GB/s ({100 * gbs / bw:.0f}% of copy)",
-                           status="ok" if ok else "FAIL")
-        # Free this case's buffers (the timing lambdas above close over the names: no del).
-        x = x2d = xu = back = ref_u = None
+                share = f" ({100 * gbs / bw:.0f}% of copy)" if bw else ""
+                report.add(op, case, impl=impl, ms=ms, metric=f"{gbs:.0f} GB/s{share}")

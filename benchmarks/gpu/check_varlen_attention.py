@@ -1,8 +1,10 @@
 """GPU check of varlen_attention: correctness vs SDPA (and of the descriptor forward on ragged
 lengths), and forward / backward times vs torch's varlen_attn and flash-attn.
 
-bf16, causal, D=128, Hq=32, Hkv=8, one packed micro-batch of 65,536 tokens: an RL length mix
-(log-uniform 64..16,384) and fixed lengths 8k / 16k (``FIXED``). FLOPs = 2*sum(L^2)*Hq*D forward
+Correctness rows first (each section isolated: a failure is one FAIL row with its error). Then bf16,
+causal, D=128, Hq=32, Hkv=8: aot_model's reference problem (one 16k sequence, ``MODEL_PROBLEM``: the
+device run sets the predictions beside it), and one packed micro-batch of 65,536 tokens: an RL length
+mix (log-uniform 64..16,384) and fixed lengths 8k / 16k (``FIXED``). FLOPs = 2*sum(L^2)*Hq*D forward
 (causal), 2.5x that backward. Forward and backward are timed separately (the backward alone on a
 retained graph, ``torch.autograd.grad``), ours at ``deterministic`` False and True (the forward is the
 same kernel: timed once), plus the forward's load paths forced (``launch.fwd_triton``'s ``variant``:
@@ -30,6 +32,9 @@ from gpu.common import cuda_time_ms
 
 T_TOTAL, HQ, HKV, D = 65536, 32, 8, 128
 FIXED = (8192, 16384)  # uniform sequence lengths timed beside the RL mix
+# aot_model's reference problem (one causal 16k sequence, 32 / 8 heads, D=128, bf16): timed first, so that
+# benchmarks/gpu/device_run.py sets its predictions beside measurements of the same problem.
+MODEL_PROBLEM = [16384]
 BUDGET_S = 170
 
 
@@ -219,38 +224,45 @@ def run(report):
     t0 = time.time()
     g = torch.Generator(device="cpu").manual_seed(0)
     gc = torch.Generator(device="cuda").manual_seed(0)
-    mixes = [("RL-mix", _rl_mix(g))] + [(f"fixed-{n}", [n] * (T_TOTAL // n)) for n in FIXED]
+    # Correctness first (short rows; the autotuners key on length buckets, so these small batches pick
+    # their own configs and leave the timed buckets' picks alone), then the model's problem, then the mixes.
+    with report.section("varlen_attn", "correct B16-S1024", impl="dk triton bf16"):
+        _check_correct(report, gc)
+    with report.section("varlen_attn", "correct ragged out", impl="dk fwd"):
+        _check_forward_variants(report, gc)
+    mixes = [("model", MODEL_PROBLEM), ("RL-mix", _rl_mix(g))] + [(f"fixed-{n}", [n] * (T_TOTAL // n)) for n in FIXED]
     for name, lengths in mixes:
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        q, k, v = (torch.randn(T_TOTAL, h, D, device="cuda", dtype=torch.bfloat16, generator=gc)
-                   for h in (HQ, HKV, HKV))
-        flops = 2 * sum(L * L for L in lengths) * HQ * D
-        case = f"{name} B{len(lengths)} T{T_TOTAL}"
-        for impl, fn, note, timed in _impls(name, lengths):
-            if fn is None:
-                report.add("varlen_attn", case, impl=impl, status="skipped", note=note)
-                continue
-            if impl == "dk fwd tma" and not (triton_fwd_tma.INTERPRET or triton_fwd_tma.tma_offered(q, k, v, 90)):
-                report.add("varlen_attn", case, impl=impl, status="skipped", note="no descriptor tile here")
-                continue
-            if time.time() - t0 > BUDGET_S:
-                report.add("varlen_attn", case, impl=impl, status="skipped", note="time budget")
-                continue
-            try:
-                ms_f, ms_b = _time(fn, q, k, v, cu, max(lengths), flops, backward=timed != "fwd")
-                if "fwd" in timed:
-                    picked = _picked_config() if impl == "dk det=False" else ""
-                    report.add("varlen_attn", case + " fwd", impl=impl, ms=ms_f, metric=f"{flops / ms_f / 1e9:.0f} "
-                               "TFLOP/s", note=" ".join(x for x in (note, picked) if x))
-                if ms_b is not None:
-                    report.add("varlen_attn", case + " bwd", impl=impl, ms=ms_b,
-                               metric=f"{2.5 * flops / ms_b / 1e9:.0f} TFLOP/s", note=note)
-            except Exception as e:  # a peer missing a backend must not hide the rest
-                report.add("varlen_attn", case, impl=impl, status="FAIL" if impl.startswith("dk") else "skipped",
-                           note=f"{type(e).__name__}: {e}"[:100])
-        del q, k, v
-        torch.cuda.empty_cache()
-    # After the timings: the autotuners key on head dim and flags, not length, so the first call of a key
-    # picks its config for the rest of the process; the RL mix, not these small batches, should pick it.
-    _check_correct(report, gc)
-    _check_forward_variants(report, gc)
+        with report.section("varlen_attn", f"{name} B{len(lengths)} T{sum(lengths)}", impl="inputs"):
+            _time_mix(report, name, lengths, gc, t0)
+            torch.cuda.empty_cache()
+
+
+def _time_mix(report, name, lengths, gc, t0):
+    """Forward and backward rows of every implementation on one length mix, each failure one row."""
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(T, h, D, device="cuda", dtype=torch.bfloat16, generator=gc) for h in (HQ, HKV, HKV))
+    flops = 2 * sum(L * L for L in lengths) * HQ * D
+    case = f"{name} B{len(lengths)} T{T}"
+    for impl, fn, note, timed in _impls(name, lengths):
+        if fn is None:
+            report.add("varlen_attn", case, impl=impl, status="skipped", note=note)
+            continue
+        if impl == "dk fwd tma" and not (triton_fwd_tma.INTERPRET or triton_fwd_tma.tma_offered(q, k, v, 90)):
+            report.add("varlen_attn", case, impl=impl, status="skipped", note="no descriptor tile here")
+            continue
+        if time.time() - t0 > BUDGET_S:
+            report.add("varlen_attn", case, impl=impl, status="skipped", note="time budget")
+            continue
+        try:
+            ms_f, ms_b = _time(fn, q, k, v, cu, max(lengths), flops, backward=timed != "fwd")
+            if "fwd" in timed:
+                picked = _picked_config() if impl == "dk det=False" else ""
+                report.add("varlen_attn", case + " fwd", impl=impl, ms=ms_f, metric=f"{flops / ms_f / 1e9:.0f} "
+                           "TFLOP/s", note=" ".join(x for x in (note, picked) if x), tflops=flops / ms_f / 1e9)
+            if ms_b is not None:
+                report.add("varlen_attn", case + " bwd", impl=impl, ms=ms_b,
+                           metric=f"{2.5 * flops / ms_b / 1e9:.0f} TFLOP/s", note=note, tflops=2.5 * flops / ms_b / 1e9)
+        except Exception as e:  # a peer missing a backend must not hide the rest
+            report.add("varlen_attn", case, impl=impl, status="FAIL" if impl.startswith("dk") else "skipped",
+                       note=f"{type(e).__name__}: {e}"[:100])

@@ -1,8 +1,11 @@
-"""Shared pieces of the GPU checks: the report table and CUDA timing."""
+"""Shared pieces of the GPU checks: the report table, isolated sections and CUDA timing."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -18,6 +21,7 @@ class Row:
     metric: str = ""
     status: str = "ok"
     note: str = ""
+    tflops: Optional[float] = None  # measured rate where the row has a FLOP count (device_run's predicted vs measured)
 
 
 @dataclass
@@ -27,13 +31,26 @@ class Report:
     # limit (benchmarks/gpu/device_run.py) keeps the rows it reported.
     jsonl: Optional[str] = None
 
-    def add(self, op, case, *, impl="", ms=None, metric="", status="ok", note=""):
-        self.rows.append(Row(op, case, impl, ms, metric, status, note))
+    def add(self, op, case, *, impl="", ms=None, metric="", status="ok", note="", tflops=None):
+        self.rows.append(Row(op, case, impl, ms, metric, status, note, tflops))
         if self.jsonl:
             with open(self.jsonl, "a") as f:
                 f.write(json.dumps(dataclasses.asdict(self.rows[-1])) + "\n")
         print(f"   {op:14s} {case:28s} {impl:18s} {'' if ms is None else f'{ms:9.3f} ms'} {metric} {status} {note}",
               flush=True)
+
+    @contextlib.contextmanager
+    def section(self, op, case, impl=""):
+        """One isolated part of a check: an exception inside becomes one FAIL row carrying its error (the
+        traceback goes to stderr, the run's log) and the check goes on with its next section."""
+        try:
+            yield
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            note = f"{type(e).__name__}: {e}"[:200].replace("\n", " ").replace("|", "/")
+            self.add(op, case, impl=impl, status="FAIL", note=note)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     @property
     def failed(self) -> bool:

@@ -65,7 +65,7 @@ def _small():
                              tie_word_embeddings=True, model_type="qwen2")
     return {
         "varlen_attention": ({"B, S = 16, 1024": "B, S = 2, 64", "[1000, 37, 1, 520, 77, 129]": "[40, 7, 1, 33]"},
-                      dict(T_TOTAL=256, HQ=2, HKV=1, D=16, FIXED=(64, 128))),
+                      dict(T_TOTAL=256, HQ=2, HKV=1, D=16, FIXED=(64, 128), MODEL_PROBLEM=[128])),
         "group_filter": ({"4096": "256", "131072": "512"}, dict(SIZES=(256, 1024))),
         "fused_linear_policy_loss": ({}, dict(N=64, H=32, V=200, N_CHECK=16, B=4)),
         "model": ({"torch.randint(256, 2049, (16,))": "torch.randint(8, 33, (3,))",
@@ -79,8 +79,9 @@ def check_names():
     return [p.stem[len("check_"):] for p in sorted(HERE.glob("check_*.py"))]
 
 
-def run_check(name, report) -> None:
-    """Load ``check_<name>.py`` with the CPU substitutions and toy sizes, and run it."""
+def run_check(name, report, prepare=None) -> None:
+    """Load ``check_<name>.py`` with the CPU substitutions and toy sizes, and run it (``prepare(module)``
+    first, where given: device_run.py's DEVICE_RUN_FAULT)."""
     import gpu.common as common
 
     path = HERE / f"check_{name}.py"
@@ -105,7 +106,9 @@ def run_check(name, report) -> None:
     mod.__dict__["copy_bandwidth_gbs"] = common.copy_bandwidth_gbs
     if hasattr(mod, "BUDGET_S"):
         mod.BUDGET_S = float("inf")
-    mod.run(report)  # no try: a crash here is what the smoke run is for
+    if prepare is not None:
+        prepare(mod)
+    mod.run(report)  # no try: a crash here is what the smoke run is for (the checks' sections add FAIL rows)
 
 
 def main(argv) -> int:

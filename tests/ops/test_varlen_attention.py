@@ -17,7 +17,7 @@ import triton
 
 import dapo_kernels as dk
 import dapo_kernels.ops.varlen_attention as va
-from dapo_kernels.ops.varlen_attention import tiles, triton_kernels
+from dapo_kernels.ops.varlen_attention import tiles, triton_bwd, triton_kernels
 from dapo_kernels.ops.varlen_attention.launch import _work_list
 from dapo_kernels.reference import varlen_attention_ref
 from tests.helpers import backend, case_id, cu_seqlens_from
@@ -374,8 +374,8 @@ def test_gpu_tile_shapes_match_reference(outer, inner, monkeypatch):
     block) is proven on the CPU: sequences span several outer blocks, partial ones included."""
     monkeypatch.setattr(tiles, "_OUTER_BLOCK_INTERPRET", outer)
     for kernel, name in ((triton_kernels._varlen_attention_fwd_kernel, "BLOCK_N"),
-                         (triton_kernels._varlen_attention_bwd_dkdv_kernel, "BLOCK_M"),
-                         (triton_kernels._varlen_attention_bwd_dq_kernel, "BLOCK_N")):
+                         (triton_bwd._varlen_attention_bwd_dkdv_kernel, "BLOCK_M"),
+                         (triton_bwd._varlen_attention_bwd_dq_kernel, "BLOCK_N")):
         monkeypatch.setattr(kernel, "configs", [triton.Config({name: inner}, num_warps=1, num_stages=1)])
     lengths = [2 * outer + inner // 2 + 3, 0, 1, outer - 1, 5]
     for causal in (True, False):

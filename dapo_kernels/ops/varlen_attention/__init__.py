@@ -15,7 +15,8 @@ The package, one concern per module (imports go down this list, never up):
   torch's fused CPU flash kernel;
 * :mod:`.launch`: the ``triton`` backend (CUDA default): launchers over work lists of (sequence,
   block) pairs built on the device, longest first;
-* :mod:`.triton_kernels`: the flash-attention-2 style kernels;
+* :mod:`.triton_kernels`: the flash-attention-2 style forward and the shared jit helpers;
+* :mod:`.triton_bwd`: the backward kernels (delta, dK/dV with optional atomic dQ, dQ);
 * :mod:`.tiles`: the GPU tile tables and the autotuner's pruning.
 
 NOTES.md beside these files holds the measurements behind the numerics and tile choices.

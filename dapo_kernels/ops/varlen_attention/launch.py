@@ -10,15 +10,15 @@ from ..._cache import per_tensor_cache
 from ..._registry import register
 from .._triton_utils import INTERPRET, TL_DTYPES, cdiv
 from .lse import delta_dtype, lse_dtype
-from .tiles import (_GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _dkdv_tma, _kernel_row, _outer_block,
-                    _tile_dim)
+from .tiles import (_GPU_TILES, _arch_family, _atomic_dq_offered, _block_d, _dkdv_tma, _kernel_row,
+                    _length_buckets, _outer_block, _tile_dim)
 from .triton_fwd_tma import _varlen_attention_fwd_hopper_kernel, ensure_allocator, tma_offered
-from .triton_kernels import (
+from .triton_bwd import (
     _varlen_attention_bwd_delta_kernel,
     _varlen_attention_bwd_dkdv_kernel,
     _varlen_attention_bwd_dq_kernel,
-    _varlen_attention_fwd_kernel,
 )
+from .triton_kernels import _varlen_attention_fwd_kernel
 
 _LOG2E = 1.4426950408889634
 # Elements of the delta preprocess per program ([rows, D] tiles of O and dO, fp64, 8 warps): few
@@ -103,7 +103,7 @@ def fwd_triton(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
     block = _outer_block("fwd", q.dtype, D)
     work = _work_list(cu_seqlens, T, block, causal, False, longest_first)
     scalars, flags = _mask_args(T, causal, window_left, window_right, softmax_scale, softcap)
-    args = (q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], *scalars)
+    args = (q, k, v, out, lse, cu_seqlens, work, T, Hq, Hq // k.shape[1], *scalars, *_length_buckets(max_seqlen, T))
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block, IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
     grid = (work.shape[0] * Hq,)
     if variant == "tma":
@@ -155,7 +155,7 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
         ensure_allocator()
     meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=causal, **flags, **_dtype_meta(q.dtype))
     meta["DP_F64"] = delta_dtype(q.dtype) is torch.float64
-    scales = (qk_scale, softmax_scale, *masking)
+    scales = (qk_scale, softmax_scale, *masking, *_length_buckets(max_seqlen, T))  # (+ LENGTH_KEY)
     atomic = not deterministic and _atomic_dq_offered(q.dtype, D, flags["SOFTCAP"])
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
     dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)

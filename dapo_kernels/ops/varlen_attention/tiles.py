@@ -110,6 +110,17 @@ def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
     return _table(kernel, dtype)[_tile_dim(head_dim)]
 
 
+# Autotune key entries beside the flags: the launch's longest sequence and its total tokens, each rounded up
+# to a power of two (_length_buckets), so each length bucket times and keeps its own config. Kernel arguments
+# that the kernels never read, left out of the compiled specialisation (do_not_specialize).
+LENGTH_KEY = ["len_bucket", "tok_bucket"]
+
+
+def _length_buckets(max_seqlen: int, total_tokens: int) -> tuple:
+    """(max_seqlen, total tokens) rounded up to powers of two: the values of LENGTH_KEY for a launch."""
+    return triton.next_power_of_2(max(int(max_seqlen), 1)), triton.next_power_of_2(max(int(total_tokens), 1))
+
+
 def _inner_configs(kernel: str, name: str):
     """Autotune space of the inner (streamed) block ``name``: every config _GPU_TILES has for
     ``kernel`` (each launch is pruned to its own); the interpreter gets one small config

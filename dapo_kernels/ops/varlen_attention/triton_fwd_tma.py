@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import INTERPRET
-from .tiles import _GPU_TILES, TMA_FWD_PLAIN_MAXNREG, _arch_family, _tile_dim
+from .tiles import _GPU_TILES, LENGTH_KEY, TMA_FWD_PLAIN_MAXNREG, _arch_family, _tile_dim
 from .triton_kernels import (
     _cast,
     _finite_or_zero,
@@ -170,11 +170,11 @@ def _fwd_tma(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, ca
     tl.store(p_lse + i_h.to(tl.int64) * T + bos + o_m, b_lse, mask=m_row)
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T"],
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "IS_CAUSAL", "LOCAL", "SOFTCAP", "DOT_T", *LENGTH_KEY],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_KEY)
 def _varlen_attention_fwd_hopper_kernel(
-    p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
+    p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right, len_bucket, tok_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
@@ -186,5 +186,6 @@ def _varlen_attention_fwd_hopper_kernel(
                  LOCAL=LOCAL, SOFTCAP=SOFTCAP, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET)
     else:
         _POINTER_FWD(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
+                     len_bucket, tok_bucket,
                      HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IS_CAUSAL=IS_CAUSAL,
                      LOCAL=LOCAL, SOFTCAP=SOFTCAP, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET)

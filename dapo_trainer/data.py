@@ -14,6 +14,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import readers
+from .rewards.verifiers import answer_text
 
 DEFAULT_DATA_SOURCE = "unknown"
 
@@ -72,7 +73,7 @@ def _ground_truth(rec: dict, where: str) -> str:
     else:
         raise ValueError(f"{where}: no answer; expected an 'answer' or 'reward_model.ground_truth' column "
                          f"(columns: {sorted(rec)})")
-    gt = str(gt)
+    gt = answer_text(gt)  # a float column's 3.0 is "3", as an int column's 3
     # GSM8K's answer column is a worked solution ending in "#### 42": keep the final answer.
     if "####" in gt:
         gt = gt.rsplit("####", 1)[1].strip()

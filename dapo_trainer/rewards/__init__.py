@@ -18,6 +18,7 @@ import numpy as np
 from .verifiers import (
     ARITHMETIC_DATA_SOURCES,
     MATH_DATA_SOURCES,
+    answer_text,
     answers_match,
     arithmetic_compute_score,
     default_compute_score,
@@ -36,6 +37,7 @@ __all__ = [
     "extract_final_answer",
     "normalize_answer",
     "answers_match",
+    "answer_text",
     "MATH_DATA_SOURCES",
     "ARITHMETIC_DATA_SOURCES",
 ]

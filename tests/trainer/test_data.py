@@ -20,6 +20,13 @@ def test_jsonl_answer_and_gsm8k_final_answer(tmp_path):
                     {"prompt": "q", "ground_truth": "7", "data_source": "unknown", "extra_info": {}}]
 
 
+def test_float_answer_column_reads_as_its_integer(tmp_path):
+    """A float answer column (3.0, as pandas writes an int column with a gap) gives ground truth "3";
+    a fractional one keeps its value."""
+    f = _jsonl(tmp_path / "f.jsonl", [{"prompt": "1+2=", "answer": 3.0}, {"prompt": "q", "answer": 2.5}])
+    assert [r["ground_truth"] for r in load_rows(f)] == ["3", "2.5"]
+
+
 def test_parquet_verl_layout_with_chat_prompt(tmp_path):
     pa = pytest.importorskip("pyarrow", reason="pyarrow is needed to read parquet")
     import pyarrow.parquet as pq

@@ -192,13 +192,17 @@ class DynamicBatchAccumulator:
         if not self.ready and 0 < self.max_num_gen_batches <= used:
             raise DynamicSamplingExhausted(self.exhausted_message())
 
-    def exhausted_message(self) -> str:
-        """Why the step's generation batches did not fill a train batch (the exhaustion error's text)."""
+    def exhausted_message(self, max_num_gen_batches: Optional[int] = None) -> str:
+        """Why the step's generation batches did not fill a train batch (the exhaustion error's text).
+
+        ``max_num_gen_batches``: the limit to report where the caller stops the batches itself (this
+        accumulator then has 0, no limit of its own); default: this accumulator's."""
         have = self.num_buffered_groups
         rate = sum(self._kept_per_batch) / self._seen if self._seen else 0.0
+        limit = self.max_num_gen_batches if max_num_gen_batches is None else max_num_gen_batches
         return (
             f"dynamic sampling exhausted: {len(self._kept_per_batch)} generation batches "
-            f"(max_num_gen_batches={self.max_num_gen_batches}) kept {self._kept_per_batch} groups per batch, "
+            f"(max_num_gen_batches={limit}) kept {self._kept_per_batch} groups per batch, "
             f"keep rate {rate:.1%} of {self._seen} groups seen ({self._carried_in} carried in); "
             f"{have} of the {self.train_batch_size} groups needed. Dropped groups with identical rewards: "
             f"{self._all_correct} all-correct, {self._all_wrong} all-wrong. Raise max_num_gen_batches "

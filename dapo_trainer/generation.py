@@ -357,8 +357,8 @@ class GenerationStage:
             self._dump_rollouts(step, dump)
         short = not acc.ready
         if short and acc.num_buffered_groups == 0:
-            raise dk.DynamicSamplingExhausted(acc.exhausted_message() + " (on_exhausted=short_batch: no group to "
-                                              "train on)")
+            raise dk.DynamicSamplingExhausted(acc.exhausted_message(self.max_rounds) + " (on_exhausted=short_batch: "
+                                              "no group to train on)")
         batch = acc.take(fg.prefer, "response_len", seed=self.seed(step, -2),
                          num_groups=short_batch_groups(acc.num_buffered_groups,
                                                        self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size)

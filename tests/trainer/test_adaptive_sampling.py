@@ -203,10 +203,11 @@ def test_short_batch_trains_on_the_kept_groups(tmp_path):
 
 
 def test_short_batch_without_any_kept_group_still_raises(tmp_path):
+    """The error reports the configured max_num_gen_batches (2), not the accumulator's own 0."""
     overrides = micro_setup(str(tmp_path), ZERO_REWARD) + ONE_STEP + [
         "algorithm.filter_groups.max_num_gen_batches=2", "data.gen_batch_size=2",
         "algorithm.filter_groups.on_exhausted=short_batch"]
-    with pytest.raises(dk.DynamicSamplingExhausted, match="no group to train on"):
+    with pytest.raises(dk.DynamicSamplingExhausted, match=r"\(max_num_gen_batches=2\).*no group to train on"):
         DAPOTrainer(load_config(overrides=overrides)).fit()
 
 

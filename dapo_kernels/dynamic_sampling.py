@@ -17,6 +17,7 @@ target number of rounds with a chosen probability.
 from __future__ import annotations
 
 import math
+import numbers
 from statistics import NormalDist
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -57,6 +58,26 @@ def _uniform_group_counts(group_index, keep, scores):
     kept = torch.zeros(n, dtype=torch.bool, device=s.device).scatter_reduce_(0, seg, keep[order], "amax")
     uniform = (size > 1) & (lo == hi) & ~kept
     return (uniform & (hi > 0)).sum(), (uniform & (hi <= 0)).sum()
+
+
+def _check_accumulator_state(state) -> None:
+    """A :meth:`DynamicBatchAccumulator.state_dict` in shape: a ``TypeError`` / ``ValueError`` naming the
+    entry otherwise (not Python's own message from deep inside ``dict()`` or ``int()``)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"accumulator state must be a mapping (a state_dict()), got {type(state).__name__}")
+    missing = {"chunks", "keys", "num_buffered_groups", "carried_in"} - set(state)
+    if missing:
+        raise ValueError(f"accumulator state is missing {sorted(missing)}")
+    chunks, keys = state["chunks"], state["keys"]
+    if not isinstance(chunks, (list, tuple)) or not all(
+            isinstance(c, Mapping) and all(isinstance(v, torch.Tensor) for v in c.values()) for c in chunks):
+        raise TypeError(f"accumulator state['chunks'] must be a list of dicts of tensors, got {chunks!r:.80}")
+    if keys is not None and (not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys)):
+        raise TypeError(f"accumulator state['keys'] must be None or a list of str, got {keys!r:.80}")
+    for name in ("num_buffered_groups", "carried_in"):
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"accumulator state[{name!r}] must be an int >= 0, got {value!r:.80}")
 
 
 class DynamicBatchAccumulator:
@@ -102,9 +123,7 @@ class DynamicBatchAccumulator:
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         """Restore what :meth:`state_dict` saved; the step being accumulated starts afresh."""
-        missing = {"chunks", "keys", "num_buffered_groups", "carried_in"} - set(state)
-        if missing:
-            raise ValueError(f"accumulator state is missing {sorted(missing)}")
+        _check_accumulator_state(state)
         self._chunks = [dict(c) for c in state["chunks"]]
         self._keys = tuple(state["keys"]) if state["keys"] is not None else None
         self.num_buffered_groups = int(state["num_buffered_groups"])

@@ -224,6 +224,12 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     eos = []
     for ids in ([_token_id(tok, tc.get("eos_token"))], _ids(gc.get("eos_token_id")), _ids(mc.get("eos_token_id"))):
         eos += [i for i in ids if i is not None and i not in eos]
+    named = tc.get("eos_token")
+    named = named.get("content") if isinstance(named, dict) else named
+    if not eos and isinstance(named, str):  # named, but not a token: "no eos token found" would mislead
+        raise ValueError(f"{os.path.join(model_path, 'tokenizer_config.json')}: eos_token {named!r} is not in the "
+                         f"vocabulary of tokenizer.json, and neither generation_config.json nor config.json gives "
+                         f"an eos_token_id; name a token of the vocabulary")
     pad = _token_id(tok, tc.get("pad_token"))
     if pad is None:
         pad = gc.get("pad_token_id", mc.get("pad_token_id"))

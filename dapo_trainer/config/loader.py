@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 import yaml
 
 from ..readers import read_text
-from .rules import validate
+from .rules import notes as setting_notes, validate
 from .schema import Config
 from .verl_keys import VERL_KEYS, check_verl_keys, is_verl_section, split_loggers
 
@@ -465,7 +465,7 @@ def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
     reading.resolve(cfg)
     notes = reading.finish(cfg)
     validate(cfg)
-    _print_notes(notes)
+    _print_notes(notes + setting_notes(cfg))
     return cfg
 
 

@@ -14,9 +14,10 @@ with Python loops over uid strings:
 
 Statistics are accumulated in float64, two-pass (sum, then sum of squared deviations), of
 each group's scores divided by a power of two near their largest magnitude (exact: ordinary
-scores give the same numbers; scores near +-1e308 cannot overflow the sums), and "all members equal" is decided exactly by comparing the group's min and max: such a
-group has std exactly 0 and advantages exactly 0 (``np.std`` can return rounding noise
-such as 1.4e-17 for ``[0.1] * 3``, which makes verl keep a group with no signal).
+scores give the same numbers; scores near +-1e308 cannot overflow the sums), and "all
+members equal" is decided exactly by comparing the group's min and max: such a group has
+std exactly 0 and advantages exactly 0 (``np.std`` can return rounding noise such as
+1.4e-17 for ``[0.1] * 3``, which makes verl keep a group with no signal).
 
 Scores that are NaN/inf, and group indices outside ``[0, G)``, never enter a kept
 group: they are counted in the device-side flags ``num_invalid`` / ``num_out_of_range``

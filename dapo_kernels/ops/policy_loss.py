@@ -421,6 +421,8 @@ def policy_loss(
             gives the global mean (multiply by the DP world size if DP averages gradients, as
             verl's ``dp_size`` does). Default: local counts. Finite and >= 0; a tensor count is
             checked on the device (``RuntimeError`` from ``torch._assert_async``, no host sync).
+            ``num_tokens`` below the tokens this call selects (which would scale the loss up) is
+            a ``ValueError`` for a Python number on the CPU, else a NaN loss (no host read).
         cu_seqlens: int32/int64 ``[B+1]`` for packed 1-D inputs in the seq modes.
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (default ``T``; packed: the
             longest sequence); finite and > 0, checked like the counts.

@@ -322,8 +322,8 @@ def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, n
 def _torch_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """Per group ``2**floor(log2(amax))`` for ``amax >= 1``, else 1 (non-finite ``amax``: 1): dividing by
     it is exact and leaves magnitudes below 2, whose float64 sums and squares cannot overflow."""
-    exponent = torch.frexp(torch.where(torch.isfinite(amax), amax, 0.0))[1]
-    return torch.ldexp(torch.ones_like(amax), (exponent - 1).clamp_min(0))
+    bits = torch.where(torch.isfinite(amax), amax, 0.0).view(torch.int64)
+    return (((bits >> 52) & 0x7FF).clamp_min(1023) << 52).view(torch.float64)  # Triton's _pow2_scale
 
 
 def _torch_sums_indexed(x: torch.Tensor, fin: torch.Tensor, gi: torch.Tensor, slots: int):

@@ -12,7 +12,8 @@ Typical use in a trainer (``res`` from :func:`dapo_kernels.group_filter`)::
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import numbers
+from typing import Dict, List, Mapping, Optional
 
 import torch
 
@@ -51,6 +52,26 @@ def _uniform_group_counts(group_index, keep, scores):
     kept = torch.zeros(n, dtype=torch.bool, device=s.device).scatter_reduce_(0, seg, keep[order], "amax")
     uniform = (size > 1) & (lo == hi) & ~kept
     return (uniform & (hi > 0)).sum(), (uniform & (hi <= 0)).sum()
+
+
+def _check_accumulator_state(state) -> None:
+    """A :meth:`DynamicBatchAccumulator.state_dict` in shape: a ``TypeError`` / ``ValueError`` naming the
+    entry otherwise (not Python's own message from deep inside ``dict()`` or ``int()``)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"accumulator state must be a mapping (a state_dict()), got {type(state).__name__}")
+    missing = {"chunks", "keys", "num_buffered_groups", "carried_in"} - set(state)
+    if missing:
+        raise ValueError(f"accumulator state is missing {sorted(missing)}")
+    chunks, keys = state["chunks"], state["keys"]
+    if not isinstance(chunks, (list, tuple)) or not all(
+            isinstance(c, Mapping) and all(isinstance(v, torch.Tensor) for v in c.values()) for c in chunks):
+        raise TypeError(f"accumulator state['chunks'] must be a list of dicts of tensors, got {chunks!r:.80}")
+    if keys is not None and (not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys)):
+        raise TypeError(f"accumulator state['keys'] must be None or a list of str, got {keys!r:.80}")
+    for name in ("num_buffered_groups", "carried_in"):
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"accumulator state[{name!r}] must be an int >= 0, got {value!r:.80}")
 
 
 class DynamicBatchAccumulator:
@@ -115,9 +136,7 @@ class DynamicBatchAccumulator:
 
         Buffered groups of another ``n_per_prompt`` are a ValueError naming both values: a group
         cannot change its number of responses."""
-        missing = {"chunks", "keys", "num_buffered_groups", "carried_in"} - set(state)
-        if missing:
-            raise ValueError(f"accumulator state is missing {sorted(missing)}")
+        _check_accumulator_state(state)
         saved_n = self.state_n_per_prompt(state)
         if saved_n not in (None, self.n_per_prompt):
             raise ValueError(f"accumulator state buffers {int(state['num_buffered_groups'])} groups of "
@@ -210,13 +229,17 @@ class DynamicBatchAccumulator:
         if not self.ready and 0 < self.max_num_gen_batches <= used:
             raise DynamicSamplingExhausted(self.exhausted_message())
 
-    def exhausted_message(self) -> str:
-        """Why the step's generation batches did not fill a train batch (the exhaustion error's text)."""
+    def exhausted_message(self, max_num_gen_batches: Optional[int] = None) -> str:
+        """Why the step's generation batches did not fill a train batch (the exhaustion error's text).
+
+        ``max_num_gen_batches``: the limit to report where the caller stops the batches itself (this
+        accumulator then has 0, no limit of its own); default: this accumulator's."""
         have = self.num_buffered_groups
         rate = sum(self._kept_per_batch) / self._seen if self._seen else 0.0
+        limit = self.max_num_gen_batches if max_num_gen_batches is None else max_num_gen_batches
         return (
             f"dynamic sampling exhausted: {len(self._kept_per_batch)} generation batches "
-            f"(max_num_gen_batches={self.max_num_gen_batches}) kept {self._kept_per_batch} groups per batch, "
+            f"(max_num_gen_batches={limit}) kept {self._kept_per_batch} groups per batch, "
             f"keep rate {rate:.1%} of {self._seen} groups seen ({self._carried_in} carried in); "
             f"{have} of the {self.train_batch_size} groups needed. Dropped groups with identical rewards: "
             f"{self._all_correct} all-correct, {self._all_wrong} all-wrong. Raise max_num_gen_batches "

@@ -134,10 +134,12 @@ class ThresholdSchedule:
 
 
 def exhaustion_warning(*, step: int, rounds: int, max_rounds: int, need: int, size: int, keep_rate: float,
-                       seen: int, all_correct: int, all_wrong: int, on_exhausted: str) -> Optional[str]:
+                       seen: int, all_correct: int, all_wrong: int, on_exhausted: str,
+                       cause: Optional[str] = None) -> Optional[str]:
     """A warning when the keep rate points at ``max_num_gen_batches`` being hit (or falls below
     :data:`LOW_KEEP_RATE`), naming the share of all-correct / all-wrong groups; None otherwise.
-    ``rounds``: generation batches so far this step; ``need``: groups still missing."""
+    ``rounds``: generation batches so far this step; ``need``: groups still missing; ``cause``: why
+    the groups are dropped where it is known (default: the policy, from the larger share)."""
     left = max_rounds - rounds if max_rounds > 0 else math.inf
     expected = keep_rate * size * left
     if need <= 0 or (expected >= need and keep_rate >= LOW_KEEP_RATE):
@@ -145,7 +147,8 @@ def exhaustion_warning(*, step: int, rounds: int, max_rounds: int, need: int, si
     def frac(count: int) -> float:
         return count / seen if seen else 0.0
 
-    cause = ("the policy solves most prompts" if all_correct > all_wrong else "the policy fails most prompts")
+    if cause is None:
+        cause = "the policy solves most prompts" if all_correct > all_wrong else "the policy fails most prompts"
     limit = (f"at this rate the {left} generation batches left before max_num_gen_batches={max_rounds} keep "
              f"~{expected:.1f} of the {need} groups still needed" if max_rounds > 0 else
              f"max_num_gen_batches is unlimited: the step may take ~{need / max(keep_rate * size, 1e-9):.0f} more "
@@ -193,16 +196,32 @@ class SamplingController:
     def observe_round(self, counts: Dict[str, tuple]) -> None:
         self.estimator.update(counts)
 
-    def warn_if_exhausting(self, acc, step: int, k: int, size: int, max_rounds: int, *, log: bool) -> bool:
+    def threshold_note(self, step: int, raw_metrics: Sequence[torch.Tensor]) -> Optional[str]:
+        """Why every group is all-wrong when the step's reward_threshold lies above every filter metric
+        of ``raw_metrics`` (this step's rounds, before binarising): the threshold, not the policy.
+        None without a threshold or when some metric reaches it."""
+        threshold = self.threshold.value(step)
+        if threshold is None or not raw_metrics or not sum(m.numel() for m in raw_metrics):
+            return None
+        best = float(torch.cat([m.reshape(-1) for m in raw_metrics]).max())
+        if best >= threshold:
+            return None
+        return (f"no response reached algorithm.filter_groups.reward_threshold={threshold:g} (the highest filter "
+                f"metric this step is {best:g}), so every group binarises to all-wrong: the threshold drops them, "
+                f"not the policy; lower reward_threshold")
+
+    def warn_if_exhausting(self, acc, step: int, k: int, size: int, max_rounds: int, *, log: bool,
+                           cause: Optional[str] = None) -> bool:
         """Log :func:`exhaustion_warning` for the accumulator ``acc`` after ``k`` rounds (the last of
-        ``size`` prompts) when ``log``; True when the keep rate called for it."""
+        ``size`` prompts) when ``log``; True when the keep rate called for it. ``cause``: as there."""
         m = acc.metrics()
         msg = exhaustion_warning(step=step, rounds=k, max_rounds=max_rounds,
                                  need=acc.train_batch_size - acc.num_buffered_groups,
                                  size=self.gen_size(acc.num_buffered_groups, k) if self.fg.adaptive else size,
                                  keep_rate=self.estimator.keep_rate(), seen=m["dynamic_sampling/groups_seen"],
                                  all_correct=m["dynamic_sampling/groups_all_correct"],
-                                 all_wrong=m["dynamic_sampling/groups_all_wrong"], on_exhausted=self.fg.on_exhausted)
+                                 all_wrong=m["dynamic_sampling/groups_all_wrong"], on_exhausted=self.fg.on_exhausted,
+                                 cause=cause)
         if msg and log:
             logger.warning(msg)
         return msg is not None

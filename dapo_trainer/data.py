@@ -14,6 +14,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import readers
+from .rewards.verifiers import answer_text
 
 DEFAULT_DATA_SOURCE = "unknown"
 
@@ -76,7 +77,7 @@ def _ground_truth(rec: dict, where: str) -> str:
     else:
         raise ValueError(f"{where}: no answer; expected an 'answer' or 'reward_model.ground_truth' column "
                          f"(columns: {sorted(rec)})")
-    gt = str(gt)
+    gt = answer_text(gt)  # a float column's 3.0 is "3", as an int column's 3
     # GSM8K's answer column is a worked solution ending in "#### 42": keep the final answer.
     if "####" in gt:
         gt = gt.rsplit("####", 1)[1].strip()
@@ -241,6 +242,12 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     eos = []
     for ids in ([_token_id(tok, tc.get("eos_token"))], _ids(gc.get("eos_token_id")), _ids(mc.get("eos_token_id"))):
         eos += [i for i in ids if i is not None and i not in eos]
+    named = tc.get("eos_token")
+    named = named.get("content") if isinstance(named, dict) else named
+    if not eos and isinstance(named, str):  # named, but not a token: "no eos token found" would mislead
+        raise ValueError(f"{os.path.join(model_path, 'tokenizer_config.json')}: eos_token {named!r} is not in the "
+                         f"vocabulary of tokenizer.json, and neither generation_config.json nor config.json gives "
+                         f"an eos_token_id; name a token of the vocabulary")
     pad = _token_id(tok, tc.get("pad_token"))
     if pad is None:
         pad = gc.get("pad_token_id", mc.get("pad_token_id"))

@@ -370,9 +370,13 @@ class GenerationStage:
             try:
                 acc.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
             except dk.DynamicSamplingExhausted as e:
-                if int(failed_groups):  # the accumulator sees only kept / dropped, not why
-                    raise dk.DynamicSamplingExhausted(f"{e} Groups dropped for environment errors "
-                                                      f"(environment.on_error=drop): {int(failed_groups)}.") from None
+                # The accumulator sees only kept / dropped, not why: the threshold or environment errors.
+                note = self.sampling.threshold_note(step, raw_metrics)
+                why = (f" But {note}." if note else "") + (
+                    f" Groups dropped for environment errors (environment.on_error=drop): {int(failed_groups)}."
+                    if int(failed_groups) else "")
+                if why:
+                    raise dk.DynamicSamplingExhausted(f"{e}{why}") from None
                 raise
             if self.max_rounds <= 0 and fg.enable and not acc.ready and prompts >= len(self.train_rows) and \
                     not acc.metrics()["dynamic_sampling/groups_kept"]:  # unlimited rounds would never end
@@ -382,14 +386,16 @@ class GenerationStage:
                     "the reward function and algorithm.filter_groups.metric, which were the same within every group")
             if not warned and fg.enable and not acc.ready:
                 warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb["rows"]), self.max_rounds,
-                                                          log=self.dims.rank == 0)
+                                                          log=self.dims.rank == 0,
+                                                          cause=self.sampling.threshold_note(step, raw_metrics))
             timing["timing_s/filter"] += time.perf_counter() - t0
         if dump:
             self._dump_rollouts(step, dump)
         short = not acc.ready
         if short and acc.num_buffered_groups == 0:
-            raise dk.DynamicSamplingExhausted(acc.exhausted_message() + " (on_exhausted=short_batch: no group to "
-                                              "train on)")
+            note = self.sampling.threshold_note(step, raw_metrics)
+            raise dk.DynamicSamplingExhausted(acc.exhausted_message(self.max_rounds) + " (on_exhausted=short_batch: "
+                                              "no group to train on)" + (f" But {note}." if note else ""))
         batch = acc.take(fg.prefer, "response_len", seed=self.seed(step, -2),
                          num_groups=short_batch_groups(acc.num_buffered_groups,
                                                        self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size)

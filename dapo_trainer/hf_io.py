@@ -93,6 +93,12 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     if model_type == "qwen2" and cfg.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
     heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    # Without head_dim, HF's models split hidden_size evenly over the heads: a remainder is no model.
+    if (not cfg.get("head_dim") and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+            and hidden % heads):
+        raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                         f"(and no head_dim is given), so the heads cannot split it")
     theta, scaling = _rope_from_hf(cfg, source)
     if model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias = True, False, False

@@ -46,7 +46,8 @@ def read_jsonl(path: str, *, skip_partial_last: bool = False) -> List[Tuple[int,
     """``[(line number, value)]`` of the non-blank lines of ``path``, one JSON value each.
 
     ``skip_partial_last``: a last line that is not JSON is dropped (what a writer killed mid-line
-    leaves) instead of raising."""
+    leaves) instead of raising, unless it is the only line: then nothing says the file was ever
+    what it should be."""
     lines = read_text(path).split("\n")  # not splitlines(): JSON strings may hold U+2028 and the like
     last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
     out = []
@@ -56,7 +57,7 @@ def read_jsonl(path: str, *, skip_partial_last: bool = False) -> List[Tuple[int,
         try:
             out.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
-            if skip_partial_last and n == last:
+            if skip_partial_last and n == last and out:
                 continue
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
     return out

@@ -24,7 +24,7 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--config", default=None, help="YAML config (e.g. dapo_trainer/configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, verl's key names")
     p.add_argument("--debug", action="store_true", help="show the traceback of a config error")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may follow a flag: --debug trainer.seed=1
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

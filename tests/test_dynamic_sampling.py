@@ -254,3 +254,16 @@ def test_state_with_another_n_per_prompt_is_refused_naming_both():
     other = dk.DynamicBatchAccumulator(3, 3)
     other.load_state_dict(empty)
     assert other.num_buffered_groups == 0
+
+
+@pytest.mark.parametrize("state,exc,match", [
+    ("garbage", TypeError, "must be a mapping"),
+    ({"chunks": [1, 2], "keys": None, "num_buffered_groups": 0, "carried_in": 0}, TypeError, r"\['chunks'\]"),
+    ({"chunks": [], "keys": 5, "num_buffered_groups": 0, "carried_in": 0}, TypeError, r"\['keys'\]"),
+    ({"chunks": [], "keys": None, "num_buffered_groups": "x", "carried_in": 0}, ValueError, "num_buffered_groups"),
+    ({"chunks": [], "keys": None, "num_buffered_groups": 0, "carried_in": -1}, ValueError, "carried_in"),
+], ids=["str", "chunks", "keys", "groups", "carried-in"])
+def test_load_state_dict_garbage_names_the_entry(state, exc, match):
+    """A state that is no state_dict() is refused naming the entry, not with dict()'s or int()'s message."""
+    with pytest.raises(exc, match=match):
+        dk.DynamicBatchAccumulator(3, 2).load_state_dict(state)

@@ -12,10 +12,12 @@ with Python loops over uid strings:
   ``(s - mean) / (std + epsilon)`` with the unbiased std, singletons use mean 0 and std 1,
   ``norm_adv_by_std=False`` gives ``s - mean``.
 
-Statistics are accumulated in float64, two-pass (sum, then sum of squared deviations),
-and "all members equal" is decided exactly by comparing the group's min and max: such a
-group has std exactly 0 and advantages exactly 0 (``np.std`` can return rounding noise
-such as 1.4e-17 for ``[0.1] * 3``, which makes verl keep a group with no signal).
+Statistics are accumulated in float64, two-pass (sum, then sum of squared deviations), of
+each group's scores divided by a power of two near their largest magnitude (exact: ordinary
+scores give the same numbers; scores near +-1e308 cannot overflow the sums), and "all
+members equal" is decided exactly by comparing the group's min and max: such a group has
+std exactly 0 and advantages exactly 0 (``np.std`` can return rounding noise such as
+1.4e-17 for ``[0.1] * 3``, which makes verl keep a group with no signal).
 
 Scores that are NaN/inf, and group indices outside ``[0, G)``, never enter a kept
 group: they are counted in the device-side flags ``num_invalid`` / ``num_out_of_range``
@@ -67,29 +69,53 @@ def _float_key(b_x):
 
 
 @triton.jit
-def _group_stats(b_n, b_ninv, b_sum, b_m2, b_uniform, min_std):
-    """Per-group (keep, mean, std) from float64 sums over the finite members.
+def _pow2_scale(b_amax):
+    """``2**floor(log2(amax))`` for ``amax >= 1``, else 1 (its exponent bits, mantissa cleared): dividing
+    by it is exact and leaves magnitudes below 2, whose float64 sums and squares cannot overflow."""
+    b_e = (b_amax.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+    return (tl.maximum(b_e, 1023) << 52).to(tl.float64, bitcast=True)
 
-    mean/std are those the advantages use (verl: singletons mean 0 std 1).
+
+@triton.jit
+def _key_value(b_k):
+    """The float64 value of a ``_float_key`` key."""
+    return tl.where(b_k < 0, b_k ^ 0x7FFFFFFFFFFFFFFF, b_k).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _key_scale(b_kmin, b_kmax):
+    """``_pow2_scale`` of a group's largest magnitude from its min / max keys (1 with no finite member)."""
+    b_amax = tl.maximum(tl.abs(_key_value(b_kmin)), tl.abs(_key_value(b_kmax)))
+    return tl.where(b_kmin <= b_kmax, _pow2_scale(b_amax), 1.0)
+
+
+@triton.jit
+def _group_stats(b_n, b_ninv, b_sum, b_m2, b_uniform, b_scale, min_std):
+    """Per-group (keep, mean, std) from float64 sums of the finite members divided by ``b_scale``.
+
+    mean/std are those the advantages use (verl: singletons mean 0 std 1), divided by ``b_scale``.
     """
     b_nv = tl.maximum(b_n - b_ninv, 1).to(tl.float64)
     b_mean = b_sum / b_nv
     b_m2 = tl.where(b_uniform, 0.0, b_m2)
-    b_pop_std = tl.sqrt(b_m2 / b_nv)
+    b_pop_std = tl.sqrt(b_m2 / b_nv) * b_scale
     b_unb_std = tl.sqrt(b_m2 / tl.maximum(b_nv - 1.0, 1.0))
     b_single = b_n == 1
     b_keep = (b_ninv == 0) & (b_single | ((b_n > 1) & (~b_uniform) & (b_pop_std > min_std)))
     b_mean = tl.where(b_single, 0.0, tl.where(b_n > 0, b_mean, 0.0))
-    b_std = tl.where(b_single, 1.0, tl.where(b_n > 1, b_unb_std, 0.0))
+    b_std = tl.where(b_single, 1.0 / b_scale, tl.where(b_n > 1, b_unb_std, 0.0))
     return b_keep, b_mean, b_std
 
 
 @triton.jit
-def _advantage(b_x, b_mean, b_std, b_zero, eps, NORM: tl.constexpr):
-    """GRPO advantage; exactly 0 for groups whose members are all equal or that are invalid."""
-    b_d = b_x - b_mean
+def _advantage(b_x, b_mean, b_std, b_scale, b_zero, eps, NORM: tl.constexpr):
+    """GRPO advantage from the scaled mean / std; exactly 0 for groups whose members are all equal or
+    that are invalid."""
+    b_d = b_x / b_scale - b_mean
     if NORM:
-        b_d = b_d / (b_std + eps)
+        b_d = b_d / (b_std + eps / b_scale)
+    else:
+        b_d = b_d * b_scale
     return tl.where(b_zero, 0.0, b_d)
 
 
@@ -108,28 +134,30 @@ def _load_rows(p_scores, p_gidx, N, G, BLOCK: tl.constexpr):
 
 @triton.jit
 def _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, o_g, m_g, min_std):
-    """Gather the pass-1/2 sums of groups ``o_g`` and derive (keep, mean, std, zero-advantage, size)."""
+    """Gather the pass-1..3 sums of groups ``o_g`` and derive (keep, scaled mean, scaled std,
+    scale, zero-advantage, size)."""
     b_n = tl.load(p_cnt + o_g, mask=m_g, other=0)
     b_ninv = tl.load(p_ninv + o_g, mask=m_g, other=0)
-    b_uni = tl.load(p_kmin + o_g, mask=m_g, other=0) == tl.load(p_kmax + o_g, mask=m_g, other=0)
+    b_kmin, b_kmax = tl.load(p_kmin + o_g, mask=m_g, other=0), tl.load(p_kmax + o_g, mask=m_g, other=0)
+    b_uni = b_kmin == b_kmax
+    b_scale = _key_scale(b_kmin, b_kmax)
     b_keep, b_mean, b_std = _group_stats(
         b_n, b_ninv, tl.load(p_sum + o_g, mask=m_g, other=0), tl.load(p_m2 + o_g, mask=m_g, other=0),
-        b_uni, min_std,
+        b_uni, b_scale, min_std,
     )
     b_zero = (b_ninv > 0) | (b_uni & (b_n > 1)) | ~m_g
-    return b_keep & m_g, b_mean, b_std, b_zero, b_n
+    return b_keep & m_g, b_mean, b_std, b_scale, b_zero, b_n
 
 
 @triton.jit
 def _group_filter_stats_kernel(
-    p_scores, p_gidx, p_cnt, p_ninv, p_sum, p_kmin, p_kmax, p_flags, N, G, BLOCK: tl.constexpr,
+    p_scores, p_gidx, p_cnt, p_ninv, p_kmin, p_kmax, p_flags, N, G, BLOCK: tl.constexpr,
 ):
-    """Pass 1: per-group member count, non-finite count, sum, min and max keys."""
+    """Pass 1: per-group member count, non-finite count, min and max keys."""
     o_n, m_n, b_x, b_g, m_g, m_fin = _load_rows(p_scores, p_gidx, N, G, BLOCK)
     m_v = m_g & m_fin
     tl.atomic_add(p_cnt + b_g, 1, mask=m_g)
     tl.atomic_add(p_ninv + b_g, 1, mask=m_g & ~m_fin)
-    tl.atomic_add(p_sum + b_g, b_x, mask=m_v)
     b_k = _float_key(b_x)
     tl.atomic_min(p_kmin + b_g, b_k, mask=m_v)
     tl.atomic_max(p_kmax + b_g, b_k, mask=m_v)
@@ -138,13 +166,29 @@ def _group_filter_stats_kernel(
 
 
 @triton.jit
-def _group_filter_m2_kernel(p_scores, p_gidx, p_cnt, p_ninv, p_sum, p_m2, N, G, BLOCK: tl.constexpr):
-    """Pass 2: per-group sum of squared deviations from the mean (two-pass variance)."""
+def _load_scaled_rows(p_scores, p_gidx, p_kmin, p_kmax, N, G, BLOCK: tl.constexpr):
+    """This program's finite in-range scores divided by their group's scale, group ids and mask."""
     o_n, m_n, b_x, b_g, m_g, m_fin = _load_rows(p_scores, p_gidx, N, G, BLOCK)
     m_v = m_g & m_fin
+    b_scale = _key_scale(tl.load(p_kmin + b_g, mask=m_v, other=0), tl.load(p_kmax + b_g, mask=m_v, other=0))
+    return b_x / b_scale, b_g, m_v
+
+
+@triton.jit
+def _group_filter_sum_kernel(p_scores, p_gidx, p_kmin, p_kmax, p_sum, N, G, BLOCK: tl.constexpr):
+    """Pass 2: per-group sum of the scaled scores."""
+    b_xs, b_g, m_v = _load_scaled_rows(p_scores, p_gidx, p_kmin, p_kmax, N, G, BLOCK)
+    tl.atomic_add(p_sum + b_g, b_xs, mask=m_v)
+
+
+@triton.jit
+def _group_filter_m2_kernel(p_scores, p_gidx, p_cnt, p_ninv, p_kmin, p_kmax, p_sum, p_m2, N, G,
+                            BLOCK: tl.constexpr):
+    """Pass 3: per-group sum of squared deviations of the scaled scores from their mean (two-pass variance)."""
+    b_xs, b_g, m_v = _load_scaled_rows(p_scores, p_gidx, p_kmin, p_kmax, N, G, BLOCK)
     b_nv = tl.load(p_cnt + b_g, mask=m_v, other=1) - tl.load(p_ninv + b_g, mask=m_v, other=0)
     b_mean = tl.load(p_sum + b_g, mask=m_v, other=0) / tl.maximum(b_nv, 1).to(tl.float64)
-    b_d = b_x - b_mean
+    b_d = b_xs - b_mean
     tl.atomic_add(p_m2 + b_g, b_d * b_d, mask=m_v)
 
 
@@ -154,14 +198,17 @@ def _group_filter_fwd_kernel(
     p_keep, p_adv, p_gmean, p_gstd, p_gkeep, p_gsize, p_flags,
     N, G, eps, min_std, NORM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Pass 3: per-element keep/advantage for rows o < N and per-group outputs for groups o < G."""
+    """Pass 4: per-element keep/advantage for rows o < N and per-group outputs for groups o < G."""
     o, m_n, b_x, b_g, m_g, m_fin = _load_rows(p_scores, p_gidx, N, G, BLOCK)
-    b_keep, b_mean, b_std, b_zero, b_n = _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, b_g, m_g, min_std)
+    b_keep, b_mean, b_std, b_scale, b_zero, b_n = _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, b_g, m_g,
+                                                              min_std)
     tl.store(p_keep + o, b_keep.to(tl.uint8), mask=m_n)
-    tl.store(p_adv + o, _advantage(b_x, b_mean, b_std, b_zero, eps, NORM).to(tl.float32), mask=m_n)
+    tl.store(p_adv + o, _advantage(b_x, b_mean, b_std, b_scale, b_zero, eps, NORM).to(tl.float32), mask=m_n)
     m_gg = o < G
-    b_keep, b_mean, b_std, b_zero, b_n = _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, o, m_gg, min_std)
-    _store_group_outputs(p_gmean, p_gstd, p_gkeep, p_gsize, p_flags, o, m_gg, b_keep, b_mean, b_std, b_n)
+    b_keep, b_mean, b_std, b_scale, b_zero, b_n = _load_group(p_cnt, p_ninv, p_sum, p_m2, p_kmin, p_kmax, o, m_gg,
+                                                              min_std)
+    _store_group_outputs(p_gmean, p_gstd, p_gkeep, p_gsize, p_flags, o, m_gg, b_keep, b_mean * b_scale,
+                         b_std * b_scale, b_n)
 
 
 @triton.jit
@@ -189,21 +236,23 @@ def _group_filter_contig_fwd_kernel(
     b_x = tl.load(p_scores + o_x, mask=m_x, other=0).to(tl.float64)
     m_fin = tl.abs(b_x) <= 1.7976931348623157e308
     m_v = m_x & m_fin
-    b_xv = tl.where(m_v, b_x, 0.0)
+    b_scale = _pow2_scale(tl.max(tl.where(m_v, tl.abs(b_x), 0.0), 1))
+    b_xv = tl.where(m_v, b_x / b_scale[:, None], 0.0)
     b_n = tl.where(m_g, n, 0)
     b_ninv = tl.sum((m_x & ~m_fin).to(tl.int32), 1)
     b_nv = tl.maximum(b_n - b_ninv, 1).to(tl.float64)
     b_sum = tl.sum(b_xv, 1)
-    b_d = tl.where(m_v, b_x - (b_sum / b_nv)[:, None], 0.0)
+    b_d = tl.where(m_v, b_xv - (b_sum / b_nv)[:, None], 0.0)
     b_m2 = tl.sum(b_d * b_d, 1)
-    b_k = _float_key(b_xv)
+    b_k = _float_key(tl.where(m_v, b_x, 0.0))
     b_uni = tl.min(tl.where(m_v, b_k, 0x7FFFFFFFFFFFFFFF), 1) == tl.max(tl.where(m_v, b_k, -0x7FFFFFFFFFFFFFFF - 1), 1)
-    b_keep, b_mean, b_std = _group_stats(b_n, b_ninv, b_sum, b_m2, b_uni, min_std)
+    b_keep, b_mean, b_std = _group_stats(b_n, b_ninv, b_sum, b_m2, b_uni, b_scale, min_std)
     b_zero = (b_ninv > 0) | (b_uni & (b_n > 1))
-    b_adv = _advantage(b_x, b_mean[:, None], b_std[:, None], b_zero[:, None], eps, NORM)
+    b_adv = _advantage(b_x, b_mean[:, None], b_std[:, None], b_scale[:, None], b_zero[:, None], eps, NORM)
     tl.store(p_keep + o_x, tl.broadcast_to((b_keep & m_g)[:, None], (BLOCK_G, BLOCK_M)).to(tl.uint8), mask=m_x)
     tl.store(p_adv + o_x, b_adv.to(tl.float32), mask=m_x)
-    _store_group_outputs(p_gmean, p_gstd, p_gkeep, p_gsize, p_flags, o_g, m_g, b_keep, b_mean, b_std, b_n)
+    _store_group_outputs(p_gmean, p_gstd, p_gkeep, p_gsize, p_flags, o_g, m_g, b_keep, b_mean * b_scale,
+                         b_std * b_scale, b_n)
     tl.atomic_add(p_flags + 1, tl.sum(tl.sum((m_x & ~m_fin).to(tl.int64), 1), 0))
 
 
@@ -256,9 +305,11 @@ def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, n
     kmax = torch.full((G,), _KEY_MIN, dtype=torch.int64, device=dev)
     if N:
         grid = (cdiv(N, _BLOCK),)
-        _group_filter_stats_kernel[grid](scores, group_index, cnt, ninv, s, kmin, kmax, flags, N, G, BLOCK=_BLOCK,
+        _group_filter_stats_kernel[grid](scores, group_index, cnt, ninv, kmin, kmax, flags, N, G, BLOCK=_BLOCK,
                                          maxnreg=_MAX_REGS)
-        _group_filter_m2_kernel[grid](scores, group_index, cnt, ninv, s, m2, N, G, BLOCK=_BLOCK, maxnreg=_MAX_REGS)
+        _group_filter_sum_kernel[grid](scores, group_index, kmin, kmax, s, N, G, BLOCK=_BLOCK, maxnreg=_MAX_REGS)
+        _group_filter_m2_kernel[grid](scores, group_index, cnt, ninv, kmin, kmax, s, m2, N, G, BLOCK=_BLOCK,
+                                      maxnreg=_MAX_REGS)
     if max(N, G):
         _group_filter_fwd_kernel[(cdiv(max(N, G), _BLOCK),)](
             scores, group_index, cnt, ninv, s, m2, kmin, kmax,
@@ -268,45 +319,56 @@ def _group_filter_triton(scores, group_index, num_groups, group_size, epsilon, n
     return _finish(outs, flags)
 
 
+def _torch_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Per group ``2**floor(log2(amax))`` for ``amax >= 1``, else 1 (non-finite ``amax``: 1): dividing by
+    it is exact and leaves magnitudes below 2, whose float64 sums and squares cannot overflow."""
+    bits = torch.where(torch.isfinite(amax), amax, 0.0).view(torch.int64)
+    return (((bits >> 52) & 0x7FF).clamp_min(1023) << 52).view(torch.float64)  # Triton's _pow2_scale
+
+
 def _torch_sums_indexed(x: torch.Tensor, fin: torch.Tensor, gi: torch.Tensor, slots: int):
-    """float64 (count, non-finite count, sum, M2, all-equal) per group slot; ``gi`` maps bad
-    rows to a spare slot. Gathers use index_select, several times faster than ``t[gi]``."""
-    xv = torch.where(fin, x, 0.0)
+    """float64 (count, non-finite count, sum, M2, all-equal, scale) per group slot, the sums of the
+    scores divided by their group's scale; ``gi`` maps bad rows to a spare slot. Gathers use
+    index_select, several times faster than ``t[gi]``."""
+    vmin = x.new_full((slots,), float("inf")).scatter_reduce_(0, gi, torch.where(fin, x, float("inf")), "amin")
+    vmax = x.new_full((slots,), -float("inf")).scatter_reduce_(0, gi, torch.where(fin, x, -float("inf")), "amax")
+    scale = _torch_pow2_scale(torch.maximum(vmin.abs(), vmax.abs()))
+    xv = torch.where(fin, x / scale.index_select(0, gi), 0.0)
     # index_add_ rather than bincount: bincount scans for the maximum first (and syncs on CUDA).
     cnt = gi.new_zeros(slots).index_add_(0, gi, torch.ones_like(gi))
     ninv = gi.new_zeros(slots).index_add_(0, gi, (~fin).long())
     s = x.new_zeros(slots).index_add_(0, gi, xv)
     d = torch.where(fin, xv - (s / (cnt - ninv).clamp_min(1)).index_select(0, gi), 0.0)
     m2 = x.new_zeros(slots).index_add_(0, gi, d * d)
-    vmin = x.new_full((slots,), float("inf")).scatter_reduce_(0, gi, torch.where(fin, x, float("inf")), "amin")
-    vmax = x.new_full((slots,), -float("inf")).scatter_reduce_(0, gi, torch.where(fin, x, -float("inf")), "amax")
-    return cnt, ninv, s, m2, vmin >= vmax
+    return cnt, ninv, s, m2, vmin >= vmax, scale
 
 
 def _torch_sums_contiguous(x: torch.Tensor, fin: torch.Tensor, n: int):
     """Same sums for groups of ``n`` consecutive rows, as row reductions of an [G, n] view."""
     x2, fin2 = x.view(-1, n), fin.view(-1, n)
-    xv = torch.where(fin2, x2, 0.0)
+    vmin = torch.where(fin2, x2, float("inf")).amin(1)
+    vmax = torch.where(fin2, x2, -float("inf")).amax(1)
+    scale = _torch_pow2_scale(torch.maximum(vmin.abs(), vmax.abs()))
+    xv = torch.where(fin2, x2 / scale[:, None], 0.0)
     ninv = (~fin2).sum(1)
     cnt = torch.full_like(ninv, n)
     s = xv.sum(1)
     d = torch.where(fin2, xv - (s / (cnt - ninv).clamp_min(1))[:, None], 0.0)
     m2 = (d * d).sum(1)
-    vmin = torch.where(fin2, x2, float("inf")).amin(1)
-    vmax = torch.where(fin2, x2, -float("inf")).amax(1)
-    return cnt, ninv, s, m2, vmin >= vmax
+    return cnt, ninv, s, m2, vmin >= vmax, scale
 
 
-def _torch_group_stats(cnt, ninv, s, m2, uniform, min_std: float):
-    """Per-group (keep, mean, std, zero-advantage); same rules as the Triton ``_group_stats``."""
+def _torch_group_stats(cnt, ninv, s, m2, uniform, scale, min_std: float):
+    """Per-group (keep, mean, std, zero-advantage) of the scaled scores (``s``, ``m2``: their sums);
+    same rules as the Triton ``_group_stats``."""
     nv = (cnt - ninv).clamp_min(1).double()
     m2 = torch.where(uniform, 0.0, m2)
-    pop_std = torch.sqrt(m2 / nv)
+    pop_std = torch.sqrt(m2 / nv) * scale
     unb_std = torch.sqrt(m2 / (nv - 1).clamp_min(1))
     single = cnt == 1
     keep = (ninv == 0) & (single | ((cnt > 1) & ~uniform & (pop_std > min_std)))
     mean = torch.where(single | (cnt == 0), 0.0, s / nv)
-    std = torch.where(single, 1.0, torch.where(cnt > 1, unb_std, 0.0))
+    std = torch.where(single, 1.0 / scale, torch.where(cnt > 1, unb_std, 0.0))
     zero = (ninv > 0) | (uniform & (cnt > 1))
     return keep, mean, std, zero
 
@@ -326,14 +388,15 @@ def _group_filter_torch(scores, group_index, num_groups, group_size, epsilon, no
         sums = _torch_sums_indexed(x, fin, gi, G + 1)
         gather = lambda t: t.index_select(0, gi)  # noqa: E731
     gkeep, mean, std, zero = _torch_group_stats(*sums, float(min_std))
+    scale = sums[5]
     if group_size == 0:
         gkeep[G], zero[G] = False, True
-    adv = x - gather(mean)
-    if norm_adv_by_std:
-        adv = adv / (gather(std) + epsilon)
+    adv = x / gather(scale) - gather(mean)
+    adv = adv / (gather(std) + epsilon / gather(scale)) if norm_adv_by_std else adv * gather(scale)
     adv = torch.where(gather(zero), 0.0, adv)
     flags = torch.stack([gkeep.sum(), (~fin).sum(), (~in_range).sum()])
-    outs = (gather(gkeep), adv.float(), mean[:G].float(), std[:G].float(), gkeep[:G].clone(), sums[0][:G].clone())
+    mean, std = (mean * scale)[:G], (std * scale)[:G]
+    outs = (gather(gkeep), adv.float(), mean.float(), std.float(), gkeep[:G].clone(), sums[0][:G].clone())
     return _finish(outs, flags)
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from .._alloc import empty_output
 from .._registry import dispatch, register
 from .._validation import (FLOAT_DTYPES, check_cu_seqlens, check_float_or_tensor, check_mask,
-                           check_tensor)
+                           check_tensor, tracing)
 from ..validation import check_clip_ratios as check_clips
 from ._triton_utils import cdiv
 
@@ -303,6 +303,21 @@ def _nan_if_zero(w: torch.Tensor, count: Optional[torch.Tensor], mask: torch.Ten
     return w if count is None else torch.where((count == 0) & mask.any(), torch.nan, w)
 
 
+def _not_below_local(raw, count: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``num_tokens`` as given, or NaN where it is below the tokens ``mask`` selects in this call (the
+    token mean would be scaled up by their ratio). No host read: a Python number on the CPU is a
+    ``ValueError`` (the comparison asserted in place; the count read only to word the error), else
+    the NaN loss is refused by the trainer's non-finite guard, as a zero tensor count is."""
+    local = mask.sum(dtype=torch.float64)
+    if isinstance(raw, (int, float)) and mask.device.type == "cpu" and not tracing():
+        try:
+            torch._assert_async(count >= local)
+        except RuntimeError:
+            raise ValueError(f"num_tokens={raw} is below the {int(local)} tokens the mask selects in this call: "
+                             f"a global count covers every micro-batch and rank, so it is >= each call's") from None
+    return torch.where(count < local, torch.nan, count)
+
+
 def _seq_lengths(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
     """(masked tokens per sequence [B], sequence id per token or None, horizon)."""
     if mask.dim() == 2:
@@ -329,7 +344,7 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, num_tokens=None, num_s
         if isinstance(raw, (int, float)) and raw == 0 and bool(mask.any()):
             raise ValueError(f"{name}=0 but the mask selects tokens: a global count must be > 0")
     if num_tokens is not None:
-        num_tokens = _as_count("num_tokens", num_tokens, dev)
+        num_tokens = _not_below_local(num_tokens, _as_count("num_tokens", num_tokens, dev), mask)
     if num_seqs is not None:
         num_seqs = _as_count("num_seqs", num_seqs, dev)
     if loss_scale_factor is not None:
@@ -406,6 +421,8 @@ def policy_loss(
             gives the global mean (multiply by the DP world size if DP averages gradients, as
             verl's ``dp_size`` does). Default: local counts. Finite and >= 0; a tensor count is
             checked on the device (``RuntimeError`` from ``torch._assert_async``, no host sync).
+            ``num_tokens`` below the tokens this call selects (which would scale the loss up) is
+            a ``ValueError`` for a Python number on the CPU, else a NaN loss (no host read).
         cu_seqlens: int32/int64 ``[B+1]`` for packed 1-D inputs in the seq modes.
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (default ``T``; packed: the
             longest sequence); finite and > 0, checked like the counts.

@@ -8,10 +8,16 @@
 One deliberate difference from verl: a group whose values are all identical has std
 exactly 0. ``np.std([0.1] * 3)`` returns 1.4e-17 (rounding of the mean), which would make
 verl keep a group that carries no learning signal.
+
+Another: each group's statistics are taken of its scores divided by a power of two near their
+largest magnitude (exact, so ordinary scores give verl's numbers bit for bit); scores near
++-1e308 then give finite advantages where ``torch.std`` overflows to inf (advantages all 0).
 """
 from __future__ import annotations
 
 from collections import defaultdict
+
+import math
 
 import numpy as np
 import torch
@@ -22,6 +28,12 @@ def _groups(group_index) -> dict:
     for i, g in enumerate(group_index.tolist()):
         groups[g].append(i)
     return groups
+
+
+def pow2_scale(amax: float) -> float:
+    """The power of two ``2**floor(log2(amax))`` for ``amax >= 1``, else 1: dividing by it is exact and
+    leaves magnitudes below 2, whose sums and squares cannot overflow."""
+    return 2.0 ** max(math.frexp(amax)[1] - 1, 0)
 
 
 def group_filter_ref(scores, group_index, num_groups: int, *, epsilon: float = 1e-6,
@@ -44,21 +56,21 @@ def group_filter_ref(scores, group_index, num_groups: int, *, epsilon: float = 1
     for g, idx in groups.items():
         metric = [float(vals[i]) for i in idx]
         uniform = len(set(metric)) == 1
-        pop_std = 0.0 if uniform else np.std(metric)
+        scale = pow2_scale(max(abs(v) for v in metric))
+        pop_std = 0.0 if uniform else np.std([v / scale for v in metric]) * scale
         kept = bool(pop_std > min_std) or len(idx) == 1
-        t = vals[idx]
+        t = vals[idx] / scale
         if len(idx) == 1:
-            mean, std = torch.tensor(0.0, dtype=dtype), torch.tensor(1.0, dtype=dtype)
+            mean, std = torch.tensor(0.0, dtype=dtype), torch.tensor(1.0 / scale, dtype=dtype)
         else:
             mean = torch.mean(t)
             std = torch.tensor(0.0, dtype=dtype) if uniform else torch.std(t)
         a = t - mean
-        if norm_adv_by_std:
-            a = a / (std + epsilon)
+        a = a / (std + epsilon / scale) if norm_adv_by_std else a * scale
         if uniform and len(idx) > 1:
             a = torch.zeros_like(a)
         adv[idx] = a
         keep[idx] = kept
-        group_keep[g], group_size[g], group_mean[g], group_std[g] = kept, len(idx), mean, std
+        group_keep[g], group_size[g], group_mean[g], group_std[g] = kept, len(idx), mean * scale, std * scale
     return keep, adv, group_keep, group_size, group_mean, group_std
 

@@ -9,12 +9,21 @@ over the whole file and every override and reported in one :class:`ConfigError`,
 closest valid key when one is close. verl keys accepted without effect are listed in one
 :class:`VerlKeysNoted` warning. Values and rules are checked after the last override
 (:func:`.rules.validate`), so an override may fix what the file set.
+
+Interpolations resolve as omegaconf's (verl's) do, after the last override: ``${oc.env:VAR}`` and
+``${oc.env:VAR,default}`` (an unset ``VAR`` without a default is a ``ValueError`` naming the key),
+``${path.to.key}`` and the relative ``${.sibling}``; a value that is one interpolation takes the
+referenced value's type, one with text around it is text; a backslash before ``${`` keeps it literal.
+An integer with a leading zero (``010``: octal 8 in YAML 1.1, 10 to a reader of decimals) is a
+``ValueError`` naming the key.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import io
+import os
+import re
 import typing
 import warnings
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -22,7 +31,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 import yaml
 
 from ..readers import read_text
-from .rules import validate
+from .rules import notes as setting_notes, validate
 from .schema import Config
 from .verl_keys import VERL_KEYS, check_verl_keys, is_verl_section, split_loggers
 
@@ -46,13 +55,104 @@ class VerlKeysNoted(UserWarning):
         super().__init__("verl keys accepted with no effect here:\n" + "\n".join(f"  {n}" for n in notes))
 
 
+# ${...} not preceded by a backslash; its body holds no further braces or "$".
+_INTERP = re.compile(r"(?<!\\)\$\{([^${}]*)\}")
+
+
+def _has_interp(value) -> bool:
+    if isinstance(value, str):
+        return bool(_INTERP.search(value)) or "\\${" in value
+    if isinstance(value, (list, tuple)):
+        return any(_has_interp(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_interp(v) for v in value.values())
+    return False
+
+
 class _Reading:
-    """What one load collects until the last override: verl keys given, notes, problems."""
+    """What one load collects until the last override: verl keys given, notes, problems, and the
+    interpolations, resolved against the final values."""
 
     def __init__(self):
         self.verl: Dict[str, Any] = {}  # key -> last value given
         self.notes: Dict[str, str] = {}
         self.problems: List[str] = []
+        self.pending: Dict[str, Any] = {}  # field key -> value holding ${...}, last given
+        self._resolving: List[str] = []
+
+    def resolve(self, cfg: Config) -> None:
+        """Set every pending interpolated field from the final values (omegaconf resolves on access,
+        after every merge); then the verl keys' interpolations."""
+        while self.pending:
+            self._resolve_key(cfg, next(iter(self.pending)))
+        for key, value in list(self.verl.items()):
+            if _has_interp(value):
+                self.verl[key] = self._value(cfg, key, value)
+
+    def _resolve_key(self, cfg: Config, key: str) -> None:
+        if key in self._resolving:
+            chain = " -> ".join(self._resolving[self._resolving.index(key):] + [key])
+            raise ValueError(f"config key {key!r}: interpolation cycle {chain}")
+        self._resolving.append(key)
+        value = self._value(cfg, key, self.pending[key])
+        self._resolving.pop()
+        del self.pending[key]
+        path = key.split(".")
+        obj, name = _leaf(cfg, path)
+        if isinstance(value, str) and _base_type(_hints(type(obj))[name]) is not str:
+            try:  # omegaconf converts a resolved str to the node's type: "${oc.env:SEED}" -> 5
+                value = _yaml_load(value)
+            except yaml.YAMLError:
+                pass
+        _set(cfg, path, value, key, self, resolved=True)
+
+    def _value(self, cfg: Config, key: str, value):
+        if isinstance(value, (list, tuple)):
+            return [self._value(cfg, f"{key}[{i}]", v) for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            return {k: self._value(cfg, f"{key}.{k}", v) for k, v in value.items()}
+        if not isinstance(value, str):
+            return value
+        whole = _INTERP.fullmatch(value)
+        if whole:
+            return self._one(cfg, key, whole.group(1))
+        text = _INTERP.sub(lambda m: _as_text(self._one(cfg, key, m.group(1))), value)
+        return text.replace("\\${", "${")
+
+    def _one(self, cfg: Config, key: str, expr: str):
+        """The value of one ``${expr}`` in ``key``'s value."""
+        expr = expr.strip()
+        if expr.startswith("oc.env:"):
+            var, comma, default = expr[len("oc.env:"):].partition(",")
+            var = var.strip()
+            if var in os.environ:
+                return os.environ[var]
+            if comma:
+                default = default.strip()
+                if default == "null":
+                    return None
+                return default[1:-1] if len(default) > 1 and default[0] == default[-1] in "'\"" else default
+            raise ValueError(f"config key {key!r}: environment variable {var!r} of ${{{expr}}} is not set; "
+                             f"set it or give a default: ${{oc.env:{var},default}}")
+        if ":" in expr:
+            raise ValueError(f"config key {key!r}: ${{{expr}}} uses a resolver other than oc.env, "
+                             f"which is not supported here")
+        target = expr
+        if expr.startswith("."):  # relative: one dot is key's own section, each further dot one up
+            dots = len(expr) - len(expr.lstrip("."))
+            base = key.split(".")[:-dots]
+            target = ".".join(base + [expr[dots:]])
+        canonical = _canonical(target)
+        if canonical in self.pending:
+            self._resolve_key(cfg, canonical)
+        found = _leaf(cfg, canonical.split("."))
+        if found is not None:
+            obj, name = found
+            v = getattr(obj, name)
+            return dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        if target in self.verl:
+            return self.verl[target]
+        raise ValueError(f"config key {key!r}: ${{{expr}}} names no config key {target!r}")
 
     def not_a_field(self, key: str, value) -> None:
         """``key`` names no field: a verl key (judged in :meth:`finish`), a section of some, or unknown."""
@@ -104,6 +204,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _LeadingZero(str):
+    """An integer scalar written with a leading zero (``010``), kept as its text."""
+
+
+def _construct_int(loader, node):
+    text = loader.construct_scalar(node)
+    digits = text.replace("_", "").lstrip("+-")
+    if len(digits) > 1 and digits[0] == "0" and digits.isdigit() and int(digits, 8) != int(digits, 10):
+        return _LeadingZero(text)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def _yaml_load(stream):
     return yaml.load(stream, Loader=_UniqueKeyLoader)
 
@@ -121,6 +236,36 @@ def _read_yaml(stream, path: str):
             what += "; YAML indents with spaces"
         col = f", column {mark.column + 1}" if mark is not None else ""
         raise ValueError(f"{where}: not valid YAML ({what}{col})") from None
+
+
+def _as_text(value) -> str:
+    """A resolved value inside text, as omegaconf writes it (None as "None")."""
+    return str(value)
+
+
+def _leaf(cfg, path: List[str]):
+    """(section object, field name) that the dotted ``path`` names under ``cfg`` (aliases read), or None."""
+    obj = cfg
+    for i, part in enumerate(path):
+        if not dataclasses.is_dataclass(obj):
+            return None
+        name = _aliases(type(obj)).get(part, part)
+        if name not in {f.name for f in dataclasses.fields(obj)}:
+            return None
+        if i == len(path) - 1:
+            return obj, name
+        obj = getattr(obj, name)
+    return None
+
+
+def _canonical(key: str) -> str:
+    """``key`` with every alias replaced by its field's name."""
+    obj, parts = Config(), []
+    for part in key.split("."):
+        name = _aliases(type(obj)).get(part, part) if dataclasses.is_dataclass(obj) else part
+        parts.append(name)
+        obj = getattr(obj, name, None)
+    return ".".join(parts)
 
 
 def _hints(cls) -> Dict[str, Any]:
@@ -178,6 +323,13 @@ def _coerce(key: str, value, tp):
 
     A ``Literal`` is checked for its values' type only; its values are checked at validation.
     """
+    if isinstance(value, _LeadingZero):
+        if tp in (int, float):
+            digits = value.replace("_", "")
+            raise ValueError(f"config key {key!r} is {value}: with a leading zero YAML 1.1 reads octal "
+                             f"({int(digits, 8)}) where a decimal reader sees {int(digits, 10)}; "
+                             f"write it without the leading zero")
+        value = str(value)
     origin = typing.get_origin(tp)
     if origin is Literal:
         return _coerce(key, value, type(typing.get_args(tp)[0]))
@@ -233,12 +385,14 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", str(t).replace("typing.", ""))
 
 
-def _set(obj, path: List[str], value, full_key: str, reading: _Reading, seen: Optional[set] = None) -> None:
+def _set(obj, path: List[str], value, full_key: str, reading: _Reading, seen: Optional[set] = None,
+         resolved: bool = False) -> None:
     """Assign ``value`` at ``path`` under the dataclass ``obj``; a mapping merges into a section.
     A key that names no field goes to ``reading``.
 
     ``seen``: the leaf keys this mapping has set so far; setting one again (``a.b: 1`` and
-    ``a: {b: 2}`` in one file) is a duplicate key.
+    ``a: {b: 2}`` in one file) is a duplicate key. ``resolved``: ``value`` is an interpolation's
+    result, set as it is (a literal ``${`` left by ``\\${`` stays).
     """
     name = _aliases(type(obj)).get(path[0], path[0]) if dataclasses.is_dataclass(obj) else path[0]
     if name != path[0]:  # one canonical spelling, so that an alias and its field count as one key
@@ -249,7 +403,7 @@ def _set(obj, path: List[str], value, full_key: str, reading: _Reading, seen: Op
     if len(path) > 1:
         if not dataclasses.is_dataclass(tp):
             return reading.not_a_field(full_key, value)
-        _set(getattr(obj, name), path[1:], value, full_key, reading, seen)
+        _set(getattr(obj, name), path[1:], value, full_key, reading, seen, resolved)
     elif dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise TypeError(f"config key {full_key!r} is a section; give a mapping, got {type(value).__name__}")
@@ -260,6 +414,10 @@ def _set(obj, path: List[str], value, full_key: str, reading: _Reading, seen: Op
             if full_key in seen:
                 raise ValueError(f"duplicate config key {full_key!r}: set twice in one file")
             seen.add(full_key)
+        if not resolved and _has_interp(value):
+            reading.pending[full_key] = value  # resolved after the last override, as omegaconf on access
+            return
+        reading.pending.pop(full_key, None)
         if full_key == "trainer.logger":
             value, note = split_loggers(value)
             reading.notes.pop(full_key, None)
@@ -293,6 +451,7 @@ def apply_dict(cfg: Config, tree: dict) -> Config:
     (spelled dotted once and nested once) is a ``ValueError``; unknown keys, one :class:`ConfigError`."""
     reading = _Reading()
     _apply_dict(cfg, tree, reading)
+    reading.resolve(cfg)
     _print_notes(reading.finish(cfg))
     return cfg
 
@@ -301,6 +460,7 @@ def apply_override(cfg: Config, override: str) -> Config:
     """Apply one ``dotted.key=value`` (verl's ``+key=value`` is accepted for known keys)."""
     reading = _Reading()
     _apply_override(cfg, override, reading)
+    reading.resolve(cfg)
     _print_notes(reading.finish(cfg))
     return cfg
 
@@ -319,9 +479,10 @@ def load_config(yaml_path: Optional[str] = None, overrides=()) -> Config:
         _apply_dict(cfg, tree, reading)
     for o in overrides:
         _apply_override(cfg, o, reading)
+    reading.resolve(cfg)
     notes = reading.finish(cfg)
     validate(cfg)
-    _print_notes(notes)
+    _print_notes(notes + setting_notes(cfg))
     return cfg
 
 

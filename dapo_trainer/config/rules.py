@@ -212,3 +212,14 @@ def validate(cfg: Config) -> Config:
     for check in RULES:
         check(cfg)
     return cfg
+
+
+def notes(cfg: Config) -> List[str]:
+    """Settings that load but change nothing here, one line each (listed with the verl keys' notes)."""
+    out = []
+    r, a = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    if r.name != "vllm" and r.tensor_model_parallel_size != 1:
+        out.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: vLLM's "
+                   f"tensor parallel size; the embedded rollout (rollout.name={r.name!r}) samples on the actor's "
+                   f"layout ({ACTOR}.tensor_model_parallel_size={a.tensor_model_parallel_size}) and ignores it")
+    return out

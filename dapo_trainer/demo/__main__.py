@@ -42,7 +42,7 @@ def parse_args(argv: Optional[List[str]] = None):
                    help="torch CPU threads (default 1: the model's matmuls are so small that a second "
                         "thread costs more in synchronisation than it saves, 2.5x slower when cores are shared)")
     p.add_argument("overrides", nargs="*", help="dotted key=value trainer overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may follow a flag: --debug trainer.seed=1
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

@@ -236,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-report", action="store_true", help="skip dapo-report of the run directory")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides applied to every rung")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may follow a flag
     import torch
 
     try:

@@ -19,6 +19,7 @@ import numpy as np
 from .verifiers import (
     ARITHMETIC_DATA_SOURCES,
     MATH_DATA_SOURCES,
+    answer_text,
     answers_match,
     arithmetic_compute_score,
     default_compute_score,
@@ -41,6 +42,7 @@ __all__ = [
     "extract_final_answer",
     "normalize_answer",
     "answers_match",
+    "answer_text",
     "MATH_DATA_SOURCES",
     "ARITHMETIC_DATA_SOURCES",
 ]

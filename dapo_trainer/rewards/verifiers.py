@@ -7,6 +7,7 @@ penalty on top.
 """
 from __future__ import annotations
 
+import numbers
 import re
 from fractions import Fraction
 from typing import Optional, Union
@@ -18,6 +19,7 @@ __all__ = [
     "extract_final_answer",
     "normalize_answer",
     "answers_match",
+    "answer_text",
     "MATH_DATA_SOURCES",
     "ARITHMETIC_DATA_SOURCES",
 ]
@@ -56,15 +58,36 @@ def _last_boxed(text: str) -> Optional[str]:
     return None  # unbalanced: the response was cut off inside the box
 
 
+# DAPO-Math-17k's format (verl's math_dapo): the last "Answer: x" (any case), x up to the end of its line.
+_ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
+
+
+def _answer_line(text: str) -> Optional[str]:
+    """The value of the last ``Answer: x`` line: a ``\\boxed{}`` around it unwrapped, and of an
+    equation (``x = 3``) its right-hand side, as verl's ``math_dapo`` reads it."""
+    found = _ANSWER_LINE.findall(text)
+    if not found:
+        return None
+    value = found[-1].strip()
+    boxed = _last_boxed(value)
+    if boxed is not None:
+        value = boxed
+    return value.rsplit("=", 1)[-1].strip() or None
+
+
 def extract_final_answer(text: str) -> Optional[str]:
-    """The final answer of a solution: the last ``\\boxed{x}``, else the text after the
-    last ``#### `` (GSM8K style, up to the end of that line); None when there is neither.
+    """The final answer of a solution: the last ``Answer: x`` line (DAPO-Math-17k's format; verl's
+    ``math_dapo`` reads it first), else the last ``\\boxed{x}``, else the text after the last
+    ``#### `` (GSM8K style, up to the end of that line); None when there is none of them.
 
     Only an explicit final answer counts: a response without one earns no reward, as in
     DAPO's strict checker, so the policy learns to state its answer.
     """
     if not isinstance(text, str):
         raise TypeError(f"solution_str must be a str, got {type(text).__name__}")
+    line = _answer_line(text)
+    if line is not None:
+        return line
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -140,9 +163,20 @@ def answers_match(pred: Optional[str], truth: str) -> bool:
     return p == t
 
 
+def answer_text(value) -> str:
+    """An answer cell as text; a number written canonically, so that a float column's 3.0 reads
+    "3" as an int column's 3 does (``str(3.0)`` would be "3.0", which no integer answer equals)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
 def _ground_truth(ground_truth) -> str:
-    if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
-        return str(ground_truth)
+    if isinstance(ground_truth, numbers.Real) and not isinstance(ground_truth, bool):
+        return answer_text(ground_truth)
     if not isinstance(ground_truth, str):
         raise TypeError(f"ground_truth must be a str, got {type(ground_truth).__name__}")
     # GSM8K's `answer` column is the whole worked solution ending in "#### 72".
@@ -174,6 +208,8 @@ def arithmetic_compute_score(data_source: str, solution_str: str, ground_truth: 
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
     truth = _ground_truth(ground_truth).strip()
+    # An integer written with a zero fraction ("3.0", a float column's cell as text) is that integer.
+    truth = re.sub(r"^(-?\d+)\.0+$", r"\1", truth)
     pred = solution_str.strip()
     return _score(bool(re.fullmatch(r"-?\d+", pred)) and pred == truth)
 

@@ -303,7 +303,7 @@ def cli(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--no-trace", action="store_true", help="no torch.profiler trace of a step on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (the demo uses 1)")
     _cli.add_debug_flag(ap)
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow a flag
     if args.threads:
         import torch
 

@@ -148,6 +148,24 @@ def test_bad_scalar_names_argument(be, kw, exc, match):
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])
+def test_global_count_below_local_tokens_is_refused(be):
+    """num_tokens below the tokens this call selects would scale the loss up (8 tokens, num_tokens=2:
+    4x): a Python count is a ValueError naming num_tokens and the local count, a tensor count (no
+    host read) a NaN loss; a count equal to the local one is the plain token mean."""
+    torch.manual_seed(0)
+    hidden, weight, labels = make_linear(8, 16, 100, torch.float32)
+    tok = fused_inputs(8, 100, ref=False)
+    tok["response_mask"] = torch.ones(8, dtype=torch.bool)
+    with backend(be):
+        with pytest.raises(ValueError, match="num_tokens=2 is below the 8 tokens"):
+            dk.fused_linear_policy_loss(hidden, weight, labels, **tok, num_tokens=2)
+        assert torch.isnan(dk.fused_linear_policy_loss(hidden, weight, labels, **tok, num_tokens=torch.tensor(2))[0])
+        local, _ = dk.fused_linear_policy_loss(hidden, weight, labels, **tok)
+        exact, _ = dk.fused_linear_policy_loss(hidden, weight, labels, **tok, num_tokens=8)
+    assert torch.equal(local, exact)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
 def test_fused_upstream_grad_scales_and_second_backward_refused(be):
     """The gradients are computed in the forward and scaled in place by the upstream grad: a
     loss weight must reach them, and a retained graph must not hand over the buffers twice."""

@@ -132,6 +132,30 @@ def test_identical_values_have_std_exactly_zero(be, layout):
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("layout", ["index", "contig"])
+def test_scores_near_float64_max_keep_their_advantages(be, layout):
+    """Finite scores near +-1e308 (their sums and squares overflow float64) give the float64
+    reference's finite advantages, not inf std and all-zero advantages; ordinary groups alongside
+    are unchanged."""
+    torch.manual_seed(0)
+    n = 4
+    huge = torch.tensor([1e308, -1e308, 1.7e308, -1.6e308, 1.7e308, 1.7e308, 1.7e308, 1.5e308,
+                         -1.79e308, -1.0e308, -1.2e308, -1.7e308], dtype=torch.float64)
+    scores = torch.cat([huge, torch.randn(8, dtype=torch.float64)])
+    G = scores.numel() // n
+    gi = torch.arange(G).repeat_interleave(n)
+    with backend(be):
+        res = dk.group_filter(scores, group_size=n) if layout == "contig" else dk.group_filter(scores, gi, G)
+    keep, adv, gkeep, _, gmean, gstd = group_filter_ref(scores, gi, G, epsilon=EPS)
+    assert_equal(res.keep, keep, "keep")
+    assert_equal(res.group_keep, gkeep, "group_keep")
+    assert (adv[:12].abs() > 0.1).all()  # the reference itself is not fooled
+    torch.testing.assert_close(res.advantages, adv.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(res.group_mean, gmean.float(), rtol=1e-6, atol=0)  # float32: inf where > 3.4e38
+    torch.testing.assert_close(res.group_std, gstd.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
 def test_singletons_and_pairs(be):
     scores = torch.tensor([0.5, 1.0, 0.0, -2.0, 3.0])
     gi = torch.tensor([0, 1, 1, 2, 3])

@@ -188,7 +188,7 @@ def test_tensor_count_check_reads_no_value():
 def test_tensor_counts_equal_number_counts(be):
     lp, old, adv, mask = make_inputs((3, 7), torch.float32)
     with backend(be):
-        for mode, kw in (("token-mean", dict(num_tokens=9)), ("seq-mean-token-mean", dict(num_seqs=5)),
+        for mode, kw in (("token-mean", dict(num_tokens=30)), ("seq-mean-token-mean", dict(num_seqs=5)),
                          ("seq-mean-token-sum-norm", dict(loss_scale_factor=2.5))):
             as_number, _ = dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode, **kw)
             as_tensor, _ = dk.policy_loss(lp, old, adv, mask, loss_agg_mode=mode,

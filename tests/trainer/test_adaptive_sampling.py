@@ -233,6 +233,19 @@ def test_trainer_warns_before_exhausting(tmp_path, caplog):
     assert len(warned) == 1 and "0% were all-correct and 100% all-wrong" in warned[0]
 
 
+def test_threshold_above_every_reward_is_blamed_not_the_policy(tmp_path, caplog):
+    """A reward_threshold above every reward makes every group all-wrong: the warning and the
+    exhaustion error name the threshold and the highest metric, not "the policy fails most prompts"."""
+    overrides = micro_setup(str(tmp_path), ALTERNATING_REWARD) + ONE_STEP + [
+        "algorithm.filter_groups.max_num_gen_batches=2", "data.gen_batch_size=2",
+        "algorithm.filter_groups.reward_threshold=5.0"]
+    with caplog.at_level(logging.WARNING, logger="dapo_trainer.adaptive_sampling"):
+        with pytest.raises(dk.DynamicSamplingExhausted, match=r"reward_threshold=5 \(the highest filter metric"):
+            DAPOTrainer(load_config(overrides=overrides)).fit()
+    warned = [r.getMessage() for r in caplog.records if r.name == "dapo_trainer.adaptive_sampling"]
+    assert len(warned) == 1 and "reward_threshold=5" in warned[0] and "the policy fails" not in warned[0]
+
+
 # --------------------------------------------------------------------------- short batch
 def test_short_batch_trains_on_the_kept_groups(tmp_path):
     """on_exhausted=short_batch: one round of 1 prompt for a train batch of 2 trains on 1 group."""
@@ -245,10 +258,11 @@ def test_short_batch_trains_on_the_kept_groups(tmp_path):
 
 
 def test_short_batch_without_any_kept_group_still_raises(tmp_path):
+    """The error reports the configured max_num_gen_batches (2), not the accumulator's own 0."""
     overrides = micro_setup(str(tmp_path), ZERO_REWARD) + ONE_STEP + [
         "algorithm.filter_groups.max_num_gen_batches=2", "data.gen_batch_size=2",
         "algorithm.filter_groups.on_exhausted=short_batch"]
-    with pytest.raises(dk.DynamicSamplingExhausted, match="no group to train on"):
+    with pytest.raises(dk.DynamicSamplingExhausted, match=r"\(max_num_gen_batches=2\).*no group to train on"):
         DAPOTrainer(load_config(overrides=overrides)).fit()
 
 

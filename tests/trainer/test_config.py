@@ -326,3 +326,65 @@ def test_vllm_tensor_parallel_size_checked(size, match):
     if size > 0:  # on GPUs vLLM's TP size may be the recipes' (4); the default 1 loads anywhere
         assert load_config(overrides=overrides[:2] + ["trainer.device=cuda"]).actor_rollout_ref.rollout.name == "vllm"
     assert load_config(overrides=overrides[:1] + ["trainer.device=cpu"]).actor_rollout_ref.rollout.name == "vllm"
+
+
+# --------------------------------------------------------------------------- interpolation, octal
+def test_oc_env_interpolation_resolves_as_omegaconf(monkeypatch):
+    """${oc.env:VAR} is VAR's value (converted to the field's type), ${oc.env:VAR,default} falls back
+    to the default, and text around an interpolation stays text."""
+    monkeypatch.setenv("DAPO_TEST_HOME", "/data/me")
+    monkeypatch.setenv("DAPO_TEST_SEED", "7")
+    monkeypatch.delenv("DAPO_TEST_UNSET", raising=False)
+    cfg = load_config(overrides=["trainer.default_local_dir=${oc.env:DAPO_TEST_HOME}/run",
+                                 "trainer.seed=${oc.env:DAPO_TEST_SEED}",
+                                 "trainer.experiment_name=${oc.env:DAPO_TEST_UNSET,exp_a}"])
+    assert cfg.trainer.default_local_dir == "/data/me/run"
+    assert cfg.trainer.seed == 7
+    assert cfg.trainer.experiment_name == "exp_a"
+
+
+def test_unset_env_without_default_names_key(monkeypatch):
+    """An unset variable without a default is a ValueError naming the key and the variable."""
+    monkeypatch.delenv("DAPO_TEST_UNSET", raising=False)
+    with pytest.raises(ValueError, match=r"'trainer.default_local_dir'.*'DAPO_TEST_UNSET'.*not set"):
+        load_config(overrides=["trainer.default_local_dir=${oc.env:DAPO_TEST_UNSET}/run"])
+
+
+def test_key_interpolation_sees_final_values(tmp_path):
+    """${path.to.key} and the relative ${.sibling} read the value after the last override, keeping
+    its type; a key that does not exist, and a cycle, are ValueErrors naming the key."""
+    p = tmp_path / "c.yaml"
+    p.write_text("data:\n  gen_batch_size: ${data.train_batch_size}\n"
+                 "trainer:\n  project_name: p\n  experiment_name: ${.project_name}_run\n")
+    cfg = load_config(str(p), ["data.train_batch_size=16", "trainer.project_name=q"])
+    assert (cfg.data.gen_batch_size, cfg.trainer.experiment_name) == (16, "q_run")
+    with pytest.raises(ValueError, match=r"'trainer.seed'.*names no config key 'trainer.nope'"):
+        load_config(overrides=["trainer.seed=${trainer.nope}"])
+    with pytest.raises(ValueError, match="'trainer.seed': interpolation cycle"):
+        load_config(overrides=["trainer.seed=${trainer.seed}"])
+    assert load_config(overrides=[r"trainer.experiment_name=a\${x}"]).trainer.experiment_name == "a${x}"
+
+
+def test_interpolated_dir_is_written_resolved(tmp_path, monkeypatch):
+    """The dumped config holds the resolved value, not the ${...} text."""
+    monkeypatch.setenv("DAPO_TEST_HOME", str(tmp_path))
+    cfg = load_config(overrides=["trainer.default_local_dir=${oc.env:DAPO_TEST_HOME}/run"])
+    dump_config(cfg, str(tmp_path / "c.yaml"))
+    assert "${" not in (tmp_path / "c.yaml").read_text()
+    assert load_config(str(tmp_path / "c.yaml")).trainer.default_local_dir == f"{tmp_path}/run"
+
+
+@pytest.mark.parametrize("source", ["override", "file"])
+def test_leading_zero_integer_is_refused_not_octal(tmp_path, source):
+    """trainer.seed=010 (octal 8 in YAML 1.1, 10 to a reader) is a ValueError naming the key; 07 (the
+    same either way) is 7, and 010 for a text key is the text "010"."""
+    if source == "file":
+        p = tmp_path / "c.yaml"
+        p.write_text("trainer:\n  seed: 010\n")
+        args = (str(p), [])
+    else:
+        args = (None, ["trainer.seed=010"])
+    with pytest.raises(ValueError, match=r"'trainer.seed' is 010.*octal \(8\).*10"):
+        load_config(*args)
+    assert load_config(overrides=["trainer.seed=07"]).trainer.seed == 7
+    assert load_config(overrides=["trainer.experiment_name=010"]).trainer.experiment_name == "010"

@@ -303,3 +303,13 @@ def test_logger_names_checked():
     assert "metrics.jsonl" in notes[0]
     cfg, notes = _load(["trainer.logger=[tensorboard]"])
     assert cfg.trainer.logger == ["tensorboard"] and notes == []
+
+
+def test_rollout_tp_with_the_embedded_rollout_is_noted():
+    """rollout.tensor_model_parallel_size=4 with the embedded rollout loads with a note that it is
+    vLLM's and ignored here (not silently); with rollout.name=vllm it is a setting, not noted."""
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size=4"
+    _, notes = _load([tp])
+    assert any(n.startswith(tp) and "ignores it" in n for n in notes), notes
+    _, notes = _load([tp, "actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda"])
+    assert not any(n.startswith(tp) for n in notes), notes

@@ -70,3 +70,15 @@ def test_dapo_profile_exits_0_and_prints_the_summary_once(tmp_path):
     assert (out / "profile.json").is_file()
     summary = f"profile: {out / 'profile.json'} and profile.html (1 steps"
     assert (proc.stdout + proc.stderr).count(summary) == 1, proc.stdout + proc.stderr
+
+
+def test_overrides_may_follow_a_flag():
+    """An override after a flag (--debug trainer.seed=x) is an override, not an unrecognized
+    argument: the config error it causes is raised, with --debug in effect."""
+    from dapo_trainer.demo.__main__ import parse_args as demo_args
+    from dapo_trainer.train import main, parse_args
+
+    assert parse_args(["a.b=1", "--debug", "trainer.seed=3"]).overrides == ["a.b=1", "trainer.seed=3"]
+    assert demo_args(["a.b=1", "--no-report", "trainer.seed=3"]).overrides == ["a.b=1", "trainer.seed=3"]
+    with pytest.raises(TypeError, match="'trainer.seed' must be int"):
+        main(["--debug", "trainer.seed=x"])

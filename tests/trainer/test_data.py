@@ -21,6 +21,29 @@ def test_jsonl_answer_and_gsm8k_final_answer(tmp_path):
                     {"prompt": "q", "ground_truth": "7", "data_source": "unknown", "extra_info": {}}]
 
 
+def test_eos_token_missing_from_vocabulary_is_named(tmp_path):
+    """tokenizer_config.json naming an eos_token the vocabulary lacks (and no eos id elsewhere) is a
+    ValueError naming the file and the token, not "no eos token found"."""
+    write_char_tokenizer(str(tmp_path))
+    for name in ("generation_config.json", "config.json"):
+        if (tmp_path / name).exists():
+            cfg = json.loads((tmp_path / name).read_text())
+            cfg.pop("eos_token_id", None)
+            (tmp_path / name).write_text(json.dumps(cfg))
+    tc = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tc["eos_token"] = "<|no_such_token|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: eos_token '<\|no_such_token\|>' is not in the voc"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_float_answer_column_reads_as_its_integer(tmp_path):
+    """A float answer column (3.0, as pandas writes an int column with a gap) gives ground truth "3";
+    a fractional one keeps its value."""
+    f = _jsonl(tmp_path / "f.jsonl", [{"prompt": "1+2=", "answer": 3.0}, {"prompt": "q", "answer": 2.5}])
+    assert [r["ground_truth"] for r in load_rows(f)] == ["3", "2.5"]
+
+
 def test_parquet_verl_layout_with_chat_prompt(tmp_path):
     pa = pytest.importorskip("pyarrow", reason="pyarrow is needed to read parquet")
     import pyarrow.parquet as pq

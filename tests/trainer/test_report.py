@@ -69,6 +69,14 @@ def test_bad_run_dir(tmp_path, capsys):
         report.main([str(tmp_path / "nope")])
 
 
+def test_one_garbage_line_is_named_not_no_metrics(tmp_path):
+    """A metrics.jsonl whose only line is not JSON is that line's error (file, line 1), not "holds no
+    metrics": a cut last line is skipped only after a valid one."""
+    (tmp_path / "metrics.jsonl").write_text("garbage\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: not valid JSON"):
+        report.load_metrics(str(tmp_path))
+
+
 def test_dialogue_runs_show_per_turn_statistics(tmp_path):
     _fake_run(tmp_path)
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a multi-turn run's dialog/* metrics on steps 1-3

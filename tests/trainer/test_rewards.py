@@ -93,6 +93,32 @@ def test_default_dispatch():
         R.default_compute_score(None, "x", "y")
 
 
+@pytest.mark.parametrize("response, truth, acc", [
+    ("Let me think.\nAnswer: 3", "3", 1.0),
+    ("work\nanswer:  34\n", "34", 1.0),
+    ("Answer: 3\nwait, no.\nAnswer: 5", "5", 1.0),
+    ("so\nAnswer: $x = 12$", "12", 1.0),
+    ("Answer: \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("Answer: 4", "3", 0.0),
+    ("no final line, then \\boxed{7}", "7", 1.0),
+], ids=["plain", "lowercase", "last-wins", "equation", "boxed-in-line", "wrong", "boxed-fallback"])
+@pytest.mark.parametrize("source", ["math_dapo", "aime24", "aime25"])
+def test_dapo_math_answer_line_format(source, response, truth, acc):
+    """DAPO-Math-17k's "Answer: x" last line earns reward as verl's math_dapo scores it (its last
+    "Answer:" first, else the last \\boxed{}); 0/1 here where verl gives +-1."""
+    assert R.default_compute_score(source, response, truth) == {"score": acc, "acc": acc}
+
+
+@pytest.mark.parametrize("truth", [3.0, 3, "3.0", "3"], ids=["float", "int", "float-text", "text"])
+def test_arithmetic_float_ground_truth_is_its_integer(truth):
+    """A float answer column's 3.0 (or its text "3.0") is the integer 3 to the demo checker, as to
+    the math checker; "3.5" stays wrong for "3"."""
+    assert R.default_compute_score("arithmetic", "3", truth)["acc"] == 1.0
+    assert R.default_compute_score("math", "#### 3", truth)["acc"] == 1.0
+    assert R.default_compute_score("arithmetic", "3", 3.5)["acc"] == 0.0
+    assert R.answer_text(3.0) == "3" and R.answer_text(2.5) == "2.5" and R.answer_text(-7) == "-7"
+
+
 def test_load_reward_fn(tmp_path):
     f = tmp_path / "my_reward.py"
     f.write_text(

@@ -110,6 +110,18 @@ def test_memory_model_matches_cpu_peak():
             assert abs(pred - measured) <= bench.TOLERANCE * measured, (size[0], tokens, pred, measured)
 
 
+def test_heads_that_do_not_split_the_hidden_size_are_refused(tmp_path):
+    """A config.json of hidden_size 64 over 3 heads (no head_dim) is no model: dapo-tune refuses it
+    naming the file and both keys instead of writing a config for it."""
+    with open(os.path.join(PRESETS, "models", "qwen2.5-0.5b", "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=64, num_attention_heads=3, num_key_value_heads=1, intermediate_size=128)
+    cfg.pop("head_dim", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: hidden_size 64 is not a multiple of num_attention_heads 3"):
+        tune.tune("math", "cpu", str(tmp_path))
+
+
 def test_tuned_lengths_fit_the_models_context(tmp_path):
     """Suggested prompt + response lengths never exceed the model's max_position_embeddings (which
     the config refuses at load); the reason says they were cut."""

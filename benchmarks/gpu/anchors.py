@@ -24,13 +24,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _rows(p, o_r, D: tl.constexpr):
+    """The [len(o_r), D] tile of rows ``o_r`` of a dense [T, D] head."""
+    return tl.load(p + o_r[:, None] * D + tl.arange(0, D)[None, :])
+
+
+@triton.jit
+def _kv_block(p_k, p_v, start, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """(key positions, K tile, V tile) of the key block at ``start``."""
+    o_n = start + tl.arange(0, BLOCK_N)
+    return o_n, _rows(p_k, o_n, D), _rows(p_v, o_n, D)
+
+
+@triton.jit
+def _query_block(p_q, T, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """The prologue of a program per (query block, head): (head offset, query positions, Q tile)."""
+    i_m, i_h = tl.program_id(0), tl.program_id(1)
+    base = i_h.to(tl.int64) * T * D
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return base, o_m, _rows(p_q + base, o_m, D)
+
+
+@triton.jit
 def _anchor_fwd_block(acc, l_i, m_i, q, p_k, p_v, o_m, lo, hi, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       MASKED: tl.constexpr):
-    o_d = tl.arange(0, D)
     for start in tl.range(lo, hi, BLOCK_N):
-        o_n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(p_k + o_n[:, None] * D + o_d[None, :])
-        v = tl.load(p_v + o_n[:, None] * D + o_d[None, :])
+        o_n, k, v = _kv_block(p_k, p_v, start, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(o_m[:, None] >= o_n[None, :], s, float("-inf"))
@@ -46,11 +65,9 @@ def _anchor_fwd_block(acc, l_i, m_i, q, p_k, p_v, o_m, lo, hi, qk_scale, D: tl.c
 @triton.jit
 def _anchor_fwd_kernel(p_q, p_k, p_v, p_o, p_lse, T, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    base, o_m, q = _query_block(p_q, T, BLOCK_M, D)
     i_m, i_h = tl.program_id(0), tl.program_id(1)
-    base = i_h.to(tl.int64) * T * D
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, D)
-    q = tl.load(p_q + base + o_m[:, None] * D + o_d[None, :])
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -79,8 +96,7 @@ def _anchor_dkdv_block(dk, dv, k, v, p_q, p_do, p_lse, p_delta, p_dq, o_n, lo, h
     o_d = tl.arange(0, D)
     for start in tl.range(lo, hi, BLOCK_M):
         o_m = start + tl.arange(0, BLOCK_M)
-        q = tl.load(p_q + o_m[:, None] * D + o_d[None, :])
-        do = tl.load(p_do + o_m[:, None] * D + o_d[None, :])
+        q, do = _rows(p_q, o_m, D), _rows(p_do, o_m, D)
         lse = tl.load(p_lse + o_m)
         pt = tl.exp2(tl.dot(k, tl.trans(q)) - lse[None, :])
         if MASKED:
@@ -105,8 +121,8 @@ def _anchor_bwd_dkdv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_d
     base = i_h.to(tl.int64) * T * D
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, D)
-    k = tl.load(p_k + base + o_n[:, None] * D + o_d[None, :])
-    v = tl.load(p_v + base + o_n[:, None] * D + o_d[None, :])
+    k = _rows(p_k + base, o_n, D)
+    v = _rows(p_v + base, o_n, D)
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     lo = i_n * BLOCK_N if CAUSAL else 0
@@ -124,11 +140,8 @@ def _anchor_bwd_dkdv_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_d
 @triton.jit
 def _anchor_dq_block(dq, q, do, lse, delta, p_k, p_v, o_m, lo, hi, D: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASKED: tl.constexpr):
-    o_d = tl.arange(0, D)
     for start in tl.range(lo, hi, BLOCK_N):
-        o_n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(p_k + o_n[:, None] * D + o_d[None, :])
-        v = tl.load(p_v + o_n[:, None] * D + o_d[None, :])
+        o_n, k, v = _kv_block(p_k, p_v, start, BLOCK_N, D)
         p = tl.exp2(tl.dot(q, tl.trans(k)) - lse[:, None])
         if MASKED:
             p = tl.where(o_m[:, None] >= o_n[None, :], p, 0.0)
@@ -140,12 +153,10 @@ def _anchor_dq_block(dq, q, do, lse, delta, p_k, p_v, o_m, lo, hi, D: tl.constex
 @triton.jit
 def _anchor_bwd_dq_kernel(p_q, p_k, p_v, p_do, p_lse, p_delta, p_dq, T, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    base, o_m, q = _query_block(p_q, T, BLOCK_M, D)
     i_m, i_h = tl.program_id(0), tl.program_id(1)
-    base = i_h.to(tl.int64) * T * D
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, D)
-    q = tl.load(p_q + base + o_m[:, None] * D + o_d[None, :])
-    do = tl.load(p_do + base + o_m[:, None] * D + o_d[None, :])
+    do = _rows(p_do + base, o_m, D)
     lse = tl.load(p_lse + i_h * T + o_m)
     delta = tl.load(p_delta + i_h * T + o_m)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)

@@ -26,8 +26,9 @@ def _verl(old, roll, mask, mode):
 
 
 def _tolerance(key: str, value: float) -> dict:
-    """verl's own rounding of a metric whose inputs are fp64: its ``.float()`` fractions (and IcePop oob ratio) are fp32 (rel 6e-8);
-    its std is sqrt(E[c^2] - E[c]^2), whose ~1e-16 rounding becomes ~1e-8 under the root near 0."""
+    """verl's own rounding of a metric whose inputs are fp64: its ``.float()`` fractions (and IcePop's oob
+    ratio) are fp32 (rel 6e-8); its std is sqrt(E[c^2] - E[c]^2), whose ~1e-16 rounding becomes ~1e-8
+    under the root near 0."""
     if "fraction" in key or key.endswith("oob_ratio"):
         return dict(rel_tol=1e-7, abs_tol=0.0)
     if key.endswith("_std"):

@@ -2,7 +2,7 @@
 
 ``import dapo_kernels as dk`` and call the ops as drop-in replacements for what verl,
 TRL and flash-attn provide. The tensor ops (packing, attention, log-probs, losses, group
-filter) are ``torch.library`` custom ops (namespace ``dapo``) dispatched per device by
+filter, rollout correction) are ``torch.library`` custom ops (namespace ``dapo``) dispatched per device by
 :mod:`dapo_kernels._registry`; ``kl_penalty`` is plain differentiable torch, the balancing
 functions run in C++ on host integers, and ``DynamicBatchAccumulator`` is a Python class.
 """
@@ -15,6 +15,7 @@ from .ops.linear_log_probs import linear_log_probs
 from .ops.overlong_penalty import overlong_penalty
 from .ops.packing import pad_input, packed_position_ids, unpad_input
 from .ops.policy_loss import LOSS_AGG_MODES, policy_loss
+from .ops.rollout_correction import RolloutCorrectionResult, rollout_correction
 from .ops.varlen_attention import varlen_attention
 from .dynamic_sampling import DynamicBatchAccumulator, DynamicSamplingExhausted
 
@@ -39,6 +40,8 @@ __all__ = [
     "group_filter",
     "overlong_penalty",
     "GroupFilterResult",
+    "rollout_correction",
+    "RolloutCorrectionResult",
     "DynamicBatchAccumulator",
     "DynamicSamplingExhausted",
     "use_backend",

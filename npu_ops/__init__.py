@@ -13,7 +13,8 @@ custom op                                      NPU kernel
 ``fused_linear_policy_loss``                   (:mod:`npu_ops.linear_log_probs`)
 ``index_rows``, ``scatter_rows``,              the ops' device-agnostic torch paths
 ``packed_position_ids``, ``group_filter``,     (:mod:`npu_ops.generic`)
-``overlong_penalty``, ``policy_loss_*``
+``overlong_penalty``, ``policy_loss_*``,
+``rollout_correction``
 =============================================  ==============================================
 
 The model's fused NPU kernels (RMSNorm, RoPE, SwiGLU) live with the model, in

@@ -1,4 +1,4 @@
-"""Packing, group filtering, policy loss on Ascend: the ops' own device-agnostic torch paths.
+"""Packing, group filtering, policy loss, rollout correction on Ascend: the ops' own device-agnostic torch paths.
 
 These ops are index gathers / scatters, segment reductions and elementwise math, which
 torch_npu runs natively, so the NPU kernel of each is its torch implementation from the
@@ -6,7 +6,7 @@ backend registry. Registering it on ``privateuseone`` (instead of leaving the op
 generic body to pick) pins it: ``DAPO_KERNELS_BACKEND=triton`` or ``dk.use_backend("triton")``
 then still never hands an NPU tensor to a CUDA Triton kernel.
 
-Not verified on hardware: the policy-loss and group-filter torch paths do their per-token
+Not verified on hardware: the policy-loss, group-filter and rollout-correction torch paths do their per-token
 math and sums in fp64, which torch_npu may run on the AI CPU (slow, ``[N]``-sized) or reject.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ TORCH_PATH_OPS = (
     "overlong_penalty",
     "policy_loss_sums",
     "policy_loss_grad",
+    "rollout_correction",    # dk.rollout_correction: index_add_ / scatter_reduce over fp64 token tables
 )
 
 

@@ -131,6 +131,31 @@ def _policy(mode: str, shape):
     return make
 
 
+def _rollout(packed: bool):
+    def make():
+        n = sum(_LENGTHS) if packed else 4 * 9
+        old = -3 * torch.rand(n)
+        a = dict(old_log_prob=old, rollout_log_prob=old + 0.2 * torch.randn(n), response_mask=_token_mask(n))
+        if packed:
+            a["cu_seqlens"] = _cu()
+        else:
+            a = {k: t.reshape(4, 9) for k, t in a.items()}
+        return a
+    return make
+
+
+# Padded: token weights and token-level rejection (a bad token reaches only itself); packed: sequence
+# weights and a sequence-level option (a bad token reaches its sequence).
+_ROLLOUT_MODES = {False: dict(rollout_is="token", rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.7_1.4,0.05"),
+                  True: dict(rollout_is="sequence", rollout_is_threshold=5.0, rollout_rs="seq_mean_k2",
+                             rollout_rs_threshold=0.02)}
+
+
+def _rollout_call(packed: bool):
+    return lambda a: dk.rollout_correction(a["old_log_prob"], a["rollout_log_prob"], a["response_mask"],
+                                           cu_seqlens=a.get("cu_seqlens"), **_ROLLOUT_MODES[packed])
+
+
 def _kl():
     lp = -3 * torch.rand(6, 9)
     return dict(log_prob=lp, ref_log_prob=lp + 0.5 * torch.randn(6, 9))
@@ -189,6 +214,8 @@ CASES = [
     OpCase("group_filter-index", _group_index,
            lambda a: dk.group_filter(a["scores"], a["group_index"], a["num_groups"])),
     OpCase("group_filter-size", _group_size, lambda a: dk.group_filter(a["scores"], group_size=a["group_size"])),
+    *(OpCase(f"rollout_correction-{'packed' if p else 'padded'}", _rollout(p), _rollout_call(p), (), "response_mask")
+      for p in (False, True)),
     OpCase("overlong_penalty-float", lambda: dict(response_lengths=torch.rand(3, 5) * 120),
            lambda a: dk.overlong_penalty(a["response_lengths"], 100, 30, 0.5)),
     OpCase("overlong_penalty-int", lambda: dict(response_lengths=torch.randint(0, 120, (3, 5))),

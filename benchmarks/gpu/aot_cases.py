@@ -17,6 +17,9 @@ ATTN_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the rows of varlen_attention's _G
 ODD_HEAD_DIMS = (8, 40, 80, 112, 160, 200)
 # Contiguous group_filter: each power of two up to the widest tile (the kernel's tile shape), and
 # sizes that are not multiples of 16 (Triton specialises integer arguments on that).
+# rollout_correction's (rollout_is, rollout_is_threshold, rollout_is_batch_normalize): no weights, token TIS,
+# sequence IcePop (the kernel's LEVEL / ICEPOP constexprs; the test set skips the first).
+RC_MODES = ((None, 2.0, False), ("token", 2.0, False), ("sequence", "0.5_2", True))
 GROUP_SIZES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 3000, 4096)
 
 
@@ -42,7 +45,7 @@ def _launchers() -> Dict[str, Callable]:
     from dapo_kernels._registry import _impls
     from dapo_kernels.ops.linear_log_probs import dlogits_triton, row_stats_triton
     names = ("varlen_attention_fwd", "varlen_attention_bwd", "policy_loss_sums", "policy_loss_grad",
-             "group_filter", "overlong_penalty", "index_rows", "scatter_rows")
+             "group_filter", "overlong_penalty", "index_rows", "scatter_rows", "rollout_correction")
     return {**{n: _impls[n]["triton"] for n in names}, "logits_stats": row_stats_triton,
             "logits_grad": dlogits_triton}
 
@@ -136,6 +139,23 @@ def _group_filter(score_dtypes, group_sizes, index_dtypes, length_dtypes) -> Ite
         yield Case("overlong_penalty", _name(dt), "lengths", overlong)
 
 
+def _rollout_correction(dtypes, modes) -> Iterator[Case]:
+    """Both passes (statistics, write) per dtype and mode; the mode's IS level and IcePop are constexprs."""
+    import torch
+    from dapo_kernels.ops._rollout_spec import make_params
+    launch = _launchers()["rollout_correction"]
+    lens = [300, 0, 17, 1024]
+    for dt in dtypes:
+        for mode in modes:
+            def run(dt=dt, mode=mode):
+                n = sum(lens)
+                old = -torch.rand(n, dtype=dt)
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+                p = make_params(*mode, rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2,1")
+                launch(old, old, torch.ones(n, dtype=torch.bool), cu, p.as_list())
+            yield Case("rollout_correction", _name(dt), f"{mode[0]} {mode[1]}", run)
+
+
 def _packing(dtypes, widths) -> Iterator[Case]:
     import torch
     launch = _launchers()
@@ -158,7 +178,8 @@ def cases(which: str) -> List[Case]:
     non-causal; fp32: D=32/96/256 causal, D=16/64/128 non-causal), two head dims between the
     rows (bf16 80, fp32 112) and two window + soft-capping instances; linear_log_probs in bf16 and
     fp32; the elementwise kernels at one dtype each (their dtype changes only loads and stores),
-    group_filter at groups of 4 and 16 (the shapes that spilled before their fix).
+    group_filter at groups of 4 and 16 (the shapes that spilled before their fix), rollout_correction
+    with token and sequence weights in fp32.
     """
     import torch
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -171,6 +192,7 @@ def cases(which: str) -> List[Case]:
                 *_policy_loss((f16, bf16, f32, f64)),
                 *_group_filter((f32, f64), GROUP_SIZES, (torch.int64, torch.int32), ints + [f32, f64]),
                 *_group_filter((f16, bf16), (16,), (torch.int64, torch.int32), ()),
+                *_rollout_correction((f16, bf16, f32, f64), RC_MODES),
                 *_packing((torch.bool, *ints, f16, bf16, f32, f64), (64, 4096))]
     if which == "test":
         return [*_attention([(bf16, 16, True), (f16, 32, False), (bf16, 64, True), (f16, 96, False),
@@ -181,5 +203,6 @@ def cases(which: str) -> List[Case]:
                 *_linear((bf16, f32)),
                 *_policy_loss((bf16,)),
                 *_group_filter((f64,), (4, 16), (torch.int32,), (torch.int64,)),
+                *_rollout_correction((f32,), RC_MODES[1:]),
                 *_packing((f64,), (4096,))]
     raise ValueError(f"unknown set {which!r}")

@@ -11,9 +11,10 @@ from .linear_log_probs import linear_log_probs_ref
 from .overlong_penalty import overlong_penalty_ref
 from .packing import pad_input_ref, packed_position_ids_ref, unpad_input_ref
 from .policy_loss import agg_loss_ref, policy_loss_ref
+from .rollout_correction import rollout_correction_ref
 from .varlen_attention import varlen_attention_ref
 
 __all__ = ["unpad_input_ref", "pad_input_ref", "packed_position_ids_ref", "varlen_attention_ref"]
-__all__ += ["group_filter_ref", "overlong_penalty_ref"]
+__all__ += ["group_filter_ref", "overlong_penalty_ref", "rollout_correction_ref"]
 __all__ += ["policy_loss_ref", "agg_loss_ref", "kl_penalty_ref", "linear_log_probs_ref", "fused_linear_policy_loss_ref"]
 __all__ += ["karmarkar_karp_ref", "micro_batch_count_ref", "spread_of"]

@@ -133,15 +133,6 @@ EXCEPTIONS: Tuple[Allowed, ...] = (
             "of the diagonal tile); the spill-free 32-row tile runs mma.sync", rows=(256,)),
     *(Allowed(k, 90, ("float32",), ("mma.sync",), _F64_MMA, dots=("b_acc",)) for k in (_DKDV, _DQ)),
     *(Allowed(k, arch, ("float32",), ("spills",), _F32_DP_SPILLS) for k in (_DKDV, _DQ) for arch in ARCHS),
-    # Triton 3.6 (the lowest declared, the GPU image's) allocates registers less tightly than 3.9.
-    Allowed(_DKDV, 90, B16, ("spills",), "Triton 3.6 only: the 64-query dK/dV tiles spill at D = 96-128, "
-            "32-88 B with atomic dQ, 40-96 B with window + softcap (3.9 fits them in registers); tile tables per "
-            "Triton version would avoid it", rows=(96, 128), triton_below=(3, 7)),
-    Allowed(_DKDV, 80, B16, ("spills",), "Triton 3.6 only: the 128 x 64 dK/dV tile at D = 16 spills 16 B",
-            rows=(16,), triton_below=(3, 7)),
-    Allowed("_varlen_attention_fwd_hopper_kernel", 90, B16, ("spills",), "Triton 3.6 only: the descriptor "
-            "forward's 128-register tile (64 keys, 2 blocks per SM) spills 16 B causal (3.9: 0); offered since the "
-            "autotuner picks it only where it is faster", rows=(96, 128), triton_below=(3, 7)),
 )
 
 

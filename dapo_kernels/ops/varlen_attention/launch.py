@@ -160,7 +160,7 @@ def bwd_triton(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     # fp32 dQ accumulates in place; 16-bit dQ in an fp32 buffer, rounded once at the end.
     dq_acc = (dq if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
               ).zero_() if atomic else dq
-    block = _outer_block(_kernel_row("dkdv", atomic, flags["SOFTCAP"]), q.dtype, D)
+    block = _outer_block(_kernel_row("dkdv", atomic, flags["SOFTCAP"], flags["LOCAL"]), q.dtype, D)
     work_kv = _work_list(cu_seqlens, T, block, causal, True, longest_first)
     _varlen_attention_bwd_dkdv_kernel[(work_kv.shape[0] * Hkv,)](
         q_f, k, v, do_f, lse, delta, dk, dv, dq_acc, cu_seqlens, work_kv, T, Hkv, Hq // Hkv, *scales, BLOCK_N=block,

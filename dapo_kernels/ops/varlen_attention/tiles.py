@@ -76,6 +76,19 @@ _GPU_TILES = {
     ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
     ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
+# Triton < 3.7 (3.6: torch 2.11's, the GPU image's) allocates registers less tightly than 3.9: its tables drop
+# the tiles that spill only there (AOT sm_90, Triton 3.6: 16 B descriptor forward at 128 registers, 48-88 B
+# dK/dV with atomic dQ and 40-96 B dK/dV with window / softcap at D = 96-128; sm_80: 16 B at D = 16), so
+# atomic dQ falls back to the dQ kernel there. make test-lowest compiles the AOT test set under 3.6.
+TRITON_BELOW_3_7 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+if TRITON_BELOW_3_7:
+    _GPU_TILES = {
+        **_GPU_TILES,
+        ("tma_fwd_plain", 90, 2): {},
+        ("dkdv_dq", 90, 2): {d: r for d, r in _GPU_TILES["dkdv_dq", 90, 2].items() if d not in (96, 128)},
+        ("dkdv_masked", 90, 2): {**_GPU_TILES["dkdv", 90, 2], **dict.fromkeys((96, 128), (128, ((32, 8, 2),)))},
+        ("dkdv", 80, 2): {**_F16_DKDV, 16: (128, ((32, 4, 2), (32, 8, 3)))},
+    }
 TMA_FWD_PLAIN_MAXNREG = 128  # (maxnreg of the "tma_fwd_plain" configs: 128 x 256 threads = half an SM's registers)
 # (arch family, element size): the dK/dV rows whose tiles fit only in the TMA form (see _dkdv_tma).
 _DKDV_TMA_ROWS = {(90, 2): (64, 96, 128)}
@@ -99,10 +112,12 @@ def _tile_dim(head_dim: int) -> int:
 
 
 def _table(kernel: str, dtype: torch.dtype) -> dict:
-    """The _GPU_TILES rows of ``kernel`` for ``dtype`` on this GPU (a "_softcap" table where it has one,
-    else the plain kernel's)."""
+    """The _GPU_TILES rows of ``kernel`` for ``dtype`` on this GPU (a "_softcap" / "_masked" table where it
+    has one, else the plain kernel's)."""
     key = (kernel, _arch_family(), dtype.itemsize)
-    return _GPU_TILES[key] if key in _GPU_TILES else _GPU_TILES[(kernel.removesuffix("_softcap"), *key[1:])]
+    if key in _GPU_TILES:
+        return _GPU_TILES[key]
+    return _GPU_TILES[(kernel.removesuffix("_softcap").removesuffix("_masked"), *key[1:])]
 
 
 def _tiles(kernel: str, dtype: torch.dtype, head_dim: int):
@@ -138,7 +153,7 @@ def _prune(kernel: str, name: str) -> dict:
     def early_config_prune(configs, named_args, **kwargs):
         if INTERPRET:
             return configs
-        tiles = _kernel_row(kernel, kwargs.get("ATOMIC_DQ"), kwargs.get("SOFTCAP"))
+        tiles = _kernel_row(kernel, kwargs.get("ATOMIC_DQ"), kwargs.get("SOFTCAP"), kwargs.get("LOCAL"))
         offered = _tiles(tiles, named_args["p_q"].dtype, kwargs["HEAD_DIM"])[1]
         return [c for c in configs if (c.kwargs[name], c.num_warps, c.num_stages) in offered]
     return {"early_config_prune": early_config_prune}
@@ -148,10 +163,13 @@ def _outer_block(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
     return _OUTER_BLOCK_INTERPRET if INTERPRET else _tiles(kernel, dtype, head_dim)[0]
 
 
-def _kernel_row(kernel: str, atomic_dq: bool, softcap: bool) -> str:
+def _kernel_row(kernel: str, atomic_dq: bool, softcap: bool, local: bool = False) -> str:
     """The _GPU_TILES kernel name of a launch: dK/dV with atomic dQ has its own rows, and with
-    soft-capping its own again (_table falls back to "_dq" where there are none)."""
-    return kernel + ("_dq_softcap" if softcap else "_dq") if atomic_dq else kernel
+    soft-capping its own again (_table falls back to "_dq" where there are none); dK/dV with a window
+    or soft-capping, "_masked" (falls back to the plain rows)."""
+    if atomic_dq:
+        return kernel + ("_dq_softcap" if softcap else "_dq")
+    return kernel + "_masked" if kernel == "dkdv" and (softcap or local) else kernel
 
 
 def _atomic_dq_offered(dtype: torch.dtype, head_dim: int, softcap: bool = False) -> bool:

@@ -160,8 +160,9 @@ class Pipeline:
     """The stages of one model on this rank and their schedules (one per micro-batch count and mode).
 
     ``run(mbs, cap, on_output, train)``: ``mbs`` packed micro-batches
-    (:class:`~dapo_trainer.records.MicroBatch`), in the order to run them; ``on_output(i, hidden)`` is called on the last stage with
-    micro-batch ``i``'s unpadded hidden states and returns its loss (``train``) or anything.
+    (:class:`~dapo_trainer.records.MicroBatch`), in the order to run them; ``on_output(i, hidden)``
+    is called on the last stage with micro-batch ``i``'s unpadded hidden states and returns its
+    loss (``train``) or anything.
     """
 
     def __init__(self, chunks: List[StageChunk], modules: List[nn.Module], *, pp_rank: int, pp: int, v: int,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Dict, List
+from dataclasses import replace
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,9 @@ import torch.distributed as dist
 import dapo_kernels as dk
 from dapo_kernels.validation import to_device_checked
 
-from .parallel import ParallelDims, apply_ddp, balanced_dp_split, shard_sequence, sp_micro_batches, tp_shard_dims
+from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, shard_sequence, sp_micro_batches,
+                       tp_shard_dims)
+from .records import MicroBatch, MiniBatchPlan, TrainBatch
 
 # The loss's per-token fractions (its name: the metric's), summed times tokens over the update.
 _LOSS_FRACTIONS = {"pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
@@ -44,36 +47,40 @@ def scaled_token_len(base: int, mean_turns: float, cfg, longest: int) -> int:
     return max(longest, min(ceiling, int(base * factor)))
 
 
-def masked_log_probs(model, mb: dict, temperature: float) -> torch.Tensor:
-    """Log-probs ``[T]`` of ``mb``'s labels where its mask is set (``mb["mask_index"]``), 0 elsewhere.
+def masked_log_probs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Log-probs ``[T]`` of ``mb``'s labels where its mask is set (``mb.mask_index``), 0 elsewhere.
 
     The packed forward runs over every position (prompt and environment tokens are the
     context of the sampled ones), but the vocabulary projection and log-softmax, the costly
-    part at a real vocabulary, run only on the masked rows: prompt tokens, environment turns
-    and padding are never projected. The loss selects the masked positions away, so the
-    zeros elsewhere are never read.
+    part at a real vocabulary, run only on the masked rows (:func:`project_log_probs`).
     """
-    hidden = model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-    idx = mb["mask_index"]
-    lp, _ = model.log_probs(hidden.index_select(0, idx), mb["labels"].index_select(0, idx), temperature=temperature)
+    return project_log_probs(model, model(mb.input_ids, mb.cu_seqlens, mb.max_seqlen), mb, temperature)
+
+
+def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Log-probs ``[T]`` of ``mb``'s labels from its hidden states, projected on the masked rows only:
+    prompt tokens, environment turns and padding are never projected, and the loss selects the
+    masked positions away, so the zeros elsewhere are never read."""
+    idx = mb.mask_index
+    lp, _ = model.log_probs(hidden.index_select(0, idx), mb.labels.index_select(0, idx), temperature=temperature)
     return lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
 
 
-def pack_micro_batch(batch, rows: List[int], device: torch.device, sp_group=None) -> dict:
+def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None) -> MicroBatch:
     """Prompt + response of ``rows`` end to end, labels shifted by one token; under sequence
     parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard."""
     ids, cu, mask, adv = [], [0], [], []
     for i in rows:
-        pl, rl = int(batch["prompt_len"][i]), int(batch["response_len"][i])
-        seq = torch.cat([batch["prompt_ids"][i, :pl], batch["response_ids"][i, :rl]])
+        pl, rl = int(batch.prompt_len[i]), int(batch.response_len[i])
+        seq = torch.cat([batch.prompt_ids[i, :pl], batch.response_ids[i, :rl]])
         ids.append(seq)
         cu.append(cu[-1] + pl + rl)
         # Position t predicts token t + 1: the response tokens are predicted from
         # positions pl - 1 .. pl + rl - 2.
         m = torch.zeros(pl + rl, dtype=torch.bool)
-        m[pl - 1:pl + rl - 1] = batch["response_mask"][i, :rl]
+        m[pl - 1:pl + rl - 1] = batch.sampled[i, :rl]
         mask.append(m)
-        adv.append(torch.full((pl + rl,), float(batch["advantages"][i])))
+        adv.append(torch.full((pl + rl,), float(batch.advantages[i])))
     input_ids = torch.cat(ids)
     labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
     lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
@@ -83,9 +90,10 @@ def pack_micro_batch(batch, rows: List[int], device: torch.device, sp_group=None
     # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
     # read nothing of them inside the micro-batch loop; the masked positions are listed here too
     # (a host tensor: no device read), for masked_log_probs.
-    return {"input_ids": to_device_checked(input_ids, device), "labels": to_device_checked(labels, device),
-            "mask": mask.to(device), "mask_index": mask.nonzero().squeeze(1).to(device), "advantages": adv.to(device),
-            "cu_seqlens": to_device_checked(torch.tensor(cu, dtype=torch.int32), device), "max_seqlen": max(lens)}
+    return MicroBatch(input_ids=to_device_checked(input_ids, device), labels=to_device_checked(labels, device),
+                      mask=mask.to(device), mask_index=mask.nonzero().squeeze(1).to(device),
+                      advantages=adv.to(device),
+                      cu_seqlens=to_device_checked(torch.tensor(cu, dtype=torch.int32), device), max_seqlen=max(lens))
 
 
 def build_optimizer(model, optim_cfg, total_training_steps: int):
@@ -98,7 +106,6 @@ def build_optimizer(model, optim_cfg, total_training_steps: int):
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
     return optimizer, scheduler
-
 
 
 def add_loss_metrics(sums: Dict[str, torch.Tensor], m: Dict[str, torch.Tensor], mask: torch.Tensor) -> None:
@@ -136,15 +143,14 @@ class Actor:
             kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
             process_group=dims.loss_tp_group)
 
-    def plan(self, batch) -> List[dict]:
+    def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
         of its micro-batches (``actor.dynamic_token_len``) and this rank's tokens in them."""
         a, dims, hidden_size = self.actor_cfg, self.dims, self.model.config.hidden_size
-        seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
-        turns = batch["num_turns"] if "num_turns" in batch else torch.ones(len(seqlens))
-        cap = scaled_token_len(a.ppo_max_token_len_per_gpu, float(turns.double().mean()), a.dynamic_token_len,
+        seqlens = (batch.prompt_len + batch.response_len).tolist()
+        cap = scaled_token_len(a.ppo_max_token_len_per_gpu, float(batch.turns.double().mean()), a.dynamic_token_len,
                                max(seqlens))
-        resp = batch["response_mask"].sum(1).tolist()  # trained-on tokens: multi-turn masks the environment's
+        resp = batch.sampled.sum(1).tolist()  # trained-on tokens: multi-turn masks the environment's
         rows_per_mini = a.ppo_mini_batch_size * self.n
         plan = []
         for start in range(0, len(seqlens), rows_per_mini):
@@ -167,38 +173,39 @@ class Actor:
             else:
                 step = a.ppo_micro_batch_size_per_gpu
                 micro = [mine[i:i + step] for i in range(0, len(mine), step)]
-            plan.append({"micro": micro, "num_tokens": sum(resp[i] for i in mini), "num_seqs": len(mini),
-                         "max_token_len": cap if a.use_dynamic_bsz else None, "tokens": sum(lens)})
+            plan.append(MiniBatchPlan(micro=micro, num_tokens=sum(resp[i] for i in mini), num_seqs=len(mini),
+                                      max_token_len=cap if a.use_dynamic_bsz else None, tokens=sum(lens)))
         return plan
 
-    def pack(self, batch, rows: List[int]) -> dict:
+    def pack(self, batch: TrainBatch, rows: List[int]) -> MicroBatch:
         return pack_micro_batch(batch, rows, self.device, self.dims.sp_group)
 
     @torch.no_grad()
-    def log_probs(self, model, mb: dict) -> torch.Tensor:
-        """Old / reference log-probs ``[T]`` of a packed micro-batch (:func:`masked_log_probs`)."""
-        return masked_log_probs(model, mb, self.temperature)
+    def log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]) -> List[List[torch.Tensor]]:
+        """``model``'s log-probs ``[T]`` of every packed micro-batch (:func:`masked_log_probs`)."""
+        return [[masked_log_probs(model, mb, self.temperature) for mb in mbs] for mbs in packed]
 
-    def _fill_log_probs(self, model, plan: List[dict], packed: List[List[dict]], key: str) -> None:
-        """``mb[key]``: ``model``'s log-probs of every packed micro-batch."""
-        for mb in (mb for mbs in packed for mb in mbs):
-            mb[key] = self.log_probs(model, mb)
+    def _with_log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]],
+                        field: str) -> List[List[MicroBatch]]:
+        """``packed`` with ``field`` (``old_log_prob`` / ``ref_log_prob``) set to ``model``'s log-probs."""
+        lps = self.log_probs(model, plan, packed)
+        return [[replace(mb, **{field: lp}) for mb, lp in zip(mbs, row)] for mbs, row in zip(packed, lps)]
 
-    def update(self, batch) -> Dict[str, float]:
+    def update(self, batch: TrainBatch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
         a = self.actor_cfg
         plan = self.plan(batch)
-        packed = [[self.pack(batch, rows) for rows in p["micro"]] for p in plan]
+        packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1).
         on_policy = a.ppo_epochs == 1 and len(plan) == 1
         timing = {}
         t0 = time.perf_counter()
         if not on_policy:
-            self._fill_log_probs(self.model, plan, packed, "old_log_prob")
+            packed = self._with_log_probs(self.model, plan, packed, "old_log_prob")
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.ref_model is not None:
-            self._fill_log_probs(self.ref_model, plan, packed, "ref_log_prob")
+            packed = self._with_log_probs(self.ref_model, plan, packed, "ref_log_prob")
             timing["timing_s/ref"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -237,16 +244,35 @@ class Actor:
             out["actor/kl_loss"] = totals["actor/kl_loss"] / n_mini
         out.update(timing)
         if a.use_dynamic_bsz:  # the micro-batch token cap and how full it keeps this rank's micro-batches
-            n_micro, cap = sum(len(p["micro"]) for p in plan), plan[0]["max_token_len"]
+            n_micro, cap = sum(len(p.micro) for p in plan), plan[0].max_token_len
             out.update({"actor/max_token_len": float(cap), "actor/num_micro_batches": float(n_micro),
-                        "actor/micro_batch_utilization": sum(p["tokens"] for p in plan) / (n_micro * cap)})
+                        "actor/micro_batch_utilization": sum(p.tokens for p in plan) / (n_micro * cap)})
         return out
 
-    def _backward_mini_batch(self, p: dict, mbs: List[dict], on_policy: bool, sums: Dict[str, torch.Tensor]):
+    def _micro_loss(self, hidden: torch.Tensor, mb: MicroBatch, p: MiniBatchPlan, on_policy: bool,
+                    sums: Dict[str, torch.Tensor], mini_loss: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """The loss of one micro-batch to backpropagate, and whether it had a KL term; adds its loss to
+        ``mini_loss`` (the mini-batch's so far, in place) and its metrics to ``sums``."""
+        seq_mode = self.actor_cfg.loss_agg_mode.startswith("seq")
+        # Read after the forward: FSDP2 swaps the root's gathered weights in there
+        # (before it, lm_head.weight is this rank's DTensor shard).
+        loss, m = dk.fused_linear_policy_loss(
+            hidden, self.model.lm_head.weight, mb.labels, None if on_policy else mb.old_log_prob, mb.advantages,
+            mb.mask, num_tokens=p.num_tokens, num_seqs=p.num_seqs, cu_seqlens=mb.cu_seqlens if seq_mode else None,
+            ref_log_prob=mb.ref_log_prob, **self.loss_options)
+        mini_loss += loss.detach().double()
+        add_loss_metrics(sums, m, mb.mask)
+        # A rank whose loss so far is not finite backpropagates NaN: DDP's reduction (in the last
+        # micro-batch's backward), FSDP's reduce-scatter or the norm's all-reduce then hands every
+        # rank a non-finite norm, and all of them skip the update together. DDP and FSDP average
+        # gradients; the loss is a global sum.
+        scale = torch.where(torch.isfinite(mini_loss), float(self.dims.grad_ranks), float("nan")).to(loss.dtype)
+        return loss * scale, "kl_loss" in m
+
+    def _backward_mini_batch(self, p: MiniBatchPlan, mbs: List[MicroBatch], on_policy: bool,
+                             sums: Dict[str, torch.Tensor]):
         """Forward, loss and backward of one mini-batch's micro-batches, adding their metrics to
         ``sums``; returns ``(its loss, a 0-dim device tensor; whether the loss had a KL term)``."""
-        seq_mode = self.actor_cfg.loss_agg_mode.startswith("seq")
-        dp_scale = float(self.dims.grad_ranks)  # DDP and FSDP average gradients; the loss is a global sum
         forward = self.ddp or self.model
         mini_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         has_kl = False
@@ -254,23 +280,10 @@ class Actor:
             # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
             sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
             with sync:
-                hidden = forward(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
-                # Read after the forward: FSDP2 swaps the root's gathered weights in there
-                # (before it, lm_head.weight is this rank's DTensor shard).
-                weight = self.model.lm_head.weight
-                loss, m = dk.fused_linear_policy_loss(
-                    hidden, weight, mb["labels"], None if on_policy else mb["old_log_prob"], mb["advantages"],
-                    mb["mask"], num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
-                    cu_seqlens=mb["cu_seqlens"] if seq_mode else None, ref_log_prob=mb.get("ref_log_prob"),
-                    **self.loss_options)
-                mini_loss += loss.detach().double()
-                # A rank whose loss so far is not finite backpropagates NaN: DDP's reduction (in the last
-                # micro-batch's backward), FSDP's reduce-scatter or the norm's all-reduce then hands every
-                # rank a non-finite norm, and all of them skip the update together.
-                scale = torch.where(torch.isfinite(mini_loss), dp_scale, float("nan")).to(loss.dtype)
-                (loss * scale).backward()
-                has_kl = has_kl or "kl_loss" in m
-                add_loss_metrics(sums, m, mb["mask"])
+                hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
+                loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
+                loss.backward()
+                has_kl = has_kl or kl
         return mini_loss, has_kl
 
     def _reduce_sums(self, sums: Dict[str, torch.Tensor], loss_sum: float):
@@ -294,39 +307,14 @@ class Actor:
             if p.grad is not None:
                 p.grad.add_(poison)  # a 0-dim tensor operand: a foreach op would read it on the CPU
 
-    def clip_grads(self) -> torch.Tensor:
+    def clip_grads(self, pp_group=None, exclude: Optional[torch.nn.Parameter] = None) -> torch.Tensor:
         """Clip to ``actor.grad_clip`` by the norm of the full (unsharded) gradient; return the norm
         (a 0-dim tensor on the device: nothing is read here)."""
-        from torch.distributed.tensor import DTensor
-
-        clip, dims = self.actor_cfg.grad_clip, self.dims
-        if dims.tp == 1:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-            # FSDP2: the norm of DTensor gradients is a (replicated) DTensor; read as a plain tensor.
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-        # Squared norms of this rank's gradients: [0] of the parameters sharded over the TP group,
-        # [1] of those replicated over it. Under FSDP2 the gradients are DTensors sharded over the DP
-        # ranks too: their local shards are summed over the DP group first.
-        sharded = tp_shard_dims(self.model)
-        sq = torch.zeros(2, dtype=torch.float64, device=dims.comm_device)
-        grads, fsdp = [], False
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                g = p.grad
-                if isinstance(g, DTensor):
-                    g, fsdp = g.to_local(), True
-                sq[0 if name in sharded else 1] += g.double().pow(2).sum()
-                grads.append(g)
-        if fsdp:
-            dist.all_reduce(sq, group=dims.dp_group)
-        shard_sq = sq[:1].clone()
-        dist.all_reduce(shard_sq, group=dims.tp_group)
-        norm = (shard_sq[0] + sq[1]).sqrt()
-        coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()  # as clip_grad_norm_, on the device
-        for g in grads:  # local shards: scaling them scales the DTensors
-            g.mul_(coef)
-        return norm
+        dims = self.dims
+        tp = dims.tp > 1
+        return clip_grad_norm(self.model, self.actor_cfg.grad_clip, tp_group=dims.tp_group if tp else None,
+                              sharded=tp_shard_dims(self.model) if tp else (), dp_group=dims.dp_group,
+                              pp_group=pp_group, exclude=exclude, comm_device=dims.comm_device)
 
 
 class PipelinedActor(Actor):
@@ -354,13 +342,13 @@ class PipelinedActor(Actor):
         pp = self.dims.pp  # ScheduleInterleaved1F1B runs rounds of equal size: m % (m // pp) == 0
         return m >= pp and (self.dims.vpp == 1 or m % max(1, m // pp) == 0)
 
-    def plan(self, batch) -> List[dict]:
+    def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         a, hidden_size = self.actor_cfg, self.model.config.hidden_size
-        seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
+        seqlens = (batch.prompt_len + batch.response_len).tolist()
         work = dk.attention_workload(seqlens, hidden_size)
-        plan = super().plan(batch)
-        for p in plan:
-            micro = p["micro"]
+        plan = []
+        for p in super().plan(batch):
+            micro = p.micro
             rows = [i for mb in micro for i in mb]
             need = len(micro)
             for _ in range(8):  # micro_batches may split into more than asked: settle on a count the schedule takes
@@ -369,7 +357,7 @@ class PipelinedActor(Actor):
                 while not self._count_ok(need):
                     need += 1
                 if a.use_dynamic_bsz:
-                    split = sp_micro_batches([seqlens[i] for i in rows], p["max_token_len"], hidden_size=hidden_size,
+                    split = sp_micro_batches([seqlens[i] for i in rows], p.max_token_len, hidden_size=hidden_size,
                                              min_num_micro_batches=min(need, len(rows)))
                     micro = [[rows[i] for i in mb] for mb in split]
                 else:
@@ -377,63 +365,49 @@ class PipelinedActor(Actor):
                 micro += [[] for _ in range(need - len(micro))]  # fewer rows than micro-batches: empty ones
                 need = max(need, len(micro))
             order = dk.pipeline_order(micro, work)
-            p["micro"] = [micro[i] for i in order]
             # The static token count of the pipe: the cap (fixed-size micro-batches: their longest possible pack).
-            p["shape"] = p["max_token_len"] or a.ppo_micro_batch_size_per_gpu * self.longest
+            plan.append(replace(p, micro=[micro[i] for i in order],
+                                shape=p.max_token_len or a.ppo_micro_batch_size_per_gpu * self.longest))
         return plan
 
-    def pack(self, batch, rows: List[int]) -> dict:
-        if rows:
-            return super().pack(batch, rows)
-        d = self.device  # an empty micro-batch: all padding in the pipe, no loss
-        return {"input_ids": torch.zeros(0, dtype=torch.long, device=d), "cu_seqlens": torch.zeros(1, dtype=torch.int32,
-                device=d), "max_seqlen": 0}
+    def pack(self, batch: TrainBatch, rows: List[int]) -> MicroBatch:
+        return super().pack(batch, rows) if rows else MicroBatch.empty(self.device)
 
-    def _fill_log_probs(self, model, plan: List[dict], packed: List[List[dict]], key: str) -> None:
+    @torch.no_grad()
+    def log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]) -> List[List[torch.Tensor]]:
+        """Computed on the last stage (None elsewhere, and for an empty micro-batch)."""
         pipe = self.pipe if model is self.model else self.ref_pipe
+        out = [[None] * len(mbs) for mbs in packed]
+        for p, mbs, lps in zip(plan, packed, out):
+            def on_output(i, hidden, mbs=mbs, lps=lps):
+                if hidden.shape[0]:
+                    lps[i] = project_log_probs(model, hidden, mbs[i], self.temperature)
+                return hidden.sum()
 
-        def on_output(i, hidden):
-            mb = mbs[i]
-            if hidden.shape[0]:
-                idx = mb["mask_index"]
-                lp, _ = model.log_probs(hidden.index_select(0, idx), mb["labels"].index_select(0, idx),
-                                        temperature=self.temperature)
-                mb[key] = lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
-            return hidden.sum()
+            pipe.run(mbs, p.shape, on_output, train=False)
+        return out
 
-        with torch.no_grad():
-            for p, mbs in zip(plan, packed):
-                pipe.run(mbs, p["shape"], on_output, train=False)
-
-    def _backward_mini_batch(self, p: dict, mbs: List[dict], on_policy: bool, sums: Dict[str, torch.Tensor]):
+    def _backward_mini_batch(self, p: MiniBatchPlan, mbs: List[MicroBatch], on_policy: bool,
+                             sums: Dict[str, torch.Tensor]):
         from .parallel import tied_grad_sync
 
-        seq_mode = self.actor_cfg.loss_agg_mode.startswith("seq")
-        dp_scale = float(self.dims.grad_ranks)
-        # [the mini-batch's loss, whether it had a KL term]: known on the last stage, then on every pipeline rank
-        out = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # The mini-batch's loss and whether it had a KL term: known on the last stage, then on every pipeline rank.
+        mini_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        has_kl = False
 
         def on_output(i, hidden):
-            mb = mbs[i]
+            nonlocal has_kl
             if not hidden.shape[0]:
                 return hidden.sum()  # an empty micro-batch: a zero loss (its backward still runs)
-            loss, m = dk.fused_linear_policy_loss(
-                hidden, self.model.lm_head.weight, mb["labels"], None if on_policy else mb["old_log_prob"],
-                mb["advantages"], mb["mask"], num_tokens=p["num_tokens"], num_seqs=p["num_seqs"],
-                cu_seqlens=mb["cu_seqlens"] if seq_mode else None, ref_log_prob=mb.get("ref_log_prob"),
-                **self.loss_options)
-            out[0] += loss.detach().double()
-            out[1] = float("kl_loss" in m)
-            add_loss_metrics(sums, m, mb["mask"])
-            # As without PP: a non-finite loss so far backpropagates NaN, and every rank skips the update.
-            return loss * torch.where(torch.isfinite(out[0]), dp_scale, float("nan")).to(loss.dtype)
+            loss, has_kl = self._micro_loss(hidden, mbs[i], p, on_policy, sums, mini_loss)
+            return loss
 
-        self.pipe.run(mbs, p["shape"], on_output, train=True)
+        self.pipe.run(mbs, p.shape, on_output, train=True)
         tied_grad_sync(self.model, self.dims.tied_group)
-        vec = out.to(self.dims.comm_device)
+        vec = torch.stack([mini_loss, mini_loss.new_tensor(float(has_kl))]).to(self.dims.comm_device)
         dist.all_reduce(vec, group=self.dims.pp_group)
-        mini_loss, has_kl = vec.to(self.device).unbind()
-        return mini_loss, bool(has_kl)
+        mini_loss, kl = vec.to(self.device).unbind()
+        return mini_loss, bool(kl)
 
     def _reduce_sums(self, sums: Dict[str, torch.Tensor], loss_sum: float):
         names = list(sums)  # the last stage's sums to every pipeline rank, then over the gradient ranks
@@ -441,11 +415,9 @@ class PipelinedActor(Actor):
         dist.all_reduce(vec, group=self.dims.pp_group)
         return super()._reduce_sums(dict(zip(names, vec.to(self.device).unbind())), loss_sum)
 
-    def clip_grads(self) -> torch.Tensor:
-        from .parallel import pp_clip_grads
+    def clip_grads(self, pp_group=None, exclude=None) -> torch.Tensor:
+        from .parallel import tied_parameter
 
-        dims, fsdp = self.dims, self.actor_cfg.strategy == "fsdp2" and self.dims.grad_ranks > 1
-        return pp_clip_grads(self.model, self.actor_cfg.grad_clip, pp_group=dims.pp_group,
-                             tp_group=dims.tp_group if dims.tp > 1 else None, dp_group=dims.dp_group,
-                             sharded=tp_shard_dims(self.model) if dims.tp > 1 else (), fsdp=fsdp,
-                             comm_device=dims.comm_device)
+        # The last stage's copy of a tied embedding is clipped but left out of the norm (the first stage's counts it).
+        copy = tied_parameter(self.model) if self.model.embed_tokens is None else None
+        return super().clip_grads(pp_group=self.dims.pp_group, exclude=copy)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,9 @@ import dapo_kernels as dk
 from . import data as data_mod
 from . import rewards, rollout_dump
 from .adaptive_sampling import SamplingController, memory_ceiling, round_counts, short_batch_groups
+from .agent_loop import Episodes, build_agent_loop
 from .parallel import ParallelDims
-from .rewards import dialogue
-from .rollout.multiturn import multi_turn_rollout
+from .records import GenerationBatch, RolloutShare, TrainBatch
 
 # The accumulator's statistics of a step, under the trainer's metric names.
 _SAMPLING_METRICS = {
@@ -39,55 +39,18 @@ _SAMPLING_METRICS = {
 }
 _TIMINGS = ("timing_s/gen", "timing_s/reward", "timing_s/filter")
 logger = logging.getLogger(__name__)
-
-
-def _column(dtype: torch.dtype, width: Optional[str] = None):
-    """A :class:`RolloutShare` field: its dtype, and ``"prompt"`` / ``"response"`` for a padded row."""
-    return field(metadata={"dtype": dtype, "width": width})
+# Accumulator keys of older checkpoints -> the TrainBatch field each holds ("truncated": ~stopped).
+_OLD_KEYS = {"rollout_log_prob": "log_probs", "response_mask": "sampled", "num_turns": "turns"}
 
 
 @dataclass
-class RolloutShare:
-    """A replica's sampled responses, one row each, ``N`` rows.
+class _SampledShare:
+    """A replica's share of a generation batch and what it measured of it."""
 
-    ``pack`` lays the fields end to end in one float64 table (exact: ids below 2**53, float32
-    log-probs) so that one all-gather carries them; ``unpack`` reads it back by field.
-    """
-
-    prompt_ids: torch.Tensor = _column(torch.int64, "prompt")  # [N, P], pad id past prompt_len
-    response_ids: torch.Tensor = _column(torch.int64, "response")  # [N, R], pad id past response_len
-    log_probs: torch.Tensor = _column(torch.float32, "response")  # [N, R] the sampler's, 0 past response_len
-    # Tokens the model sampled (multi-turn: the environment's tokens are context, never trained on).
-    sampled: torch.Tensor = _column(torch.bool, "response")  # [N, R]
-    prompt_len: torch.Tensor = _column(torch.int64)
-    response_len: torch.Tensor = _column(torch.int64)
-    stopped: torch.Tensor = _column(torch.bool)  # ended on a stop token (else cut at max_response_length)
-    score: torch.Tensor = _column(torch.float64)
-    acc: torch.Tensor = _column(torch.float64)
-    reward: torch.Tensor = _column(torch.float64)  # score plus the overlong penalty: advantages come from it
-    filter_metric: torch.Tensor = _column(torch.float64)  # what dynamic sampling keeps groups by (not binarised)
-    failed: torch.Tensor = _column(torch.bool)  # a conversation the environment failed (on_error=drop)
-    turns: torch.Tensor = _column(torch.float64)  # assistant turns (single-turn: 1)
-
-    @staticmethod
-    def _widths(prompt_width: int, response_width: int) -> List[int]:
-        w = {"prompt": prompt_width, "response": response_width, None: 1}
-        return [w[f.metadata["width"]] for f in fields(RolloutShare)]
-
-    def pack(self) -> torch.Tensor:
-        n = self.prompt_len.shape[0]
-        return torch.cat([getattr(self, f.name).double().reshape(n, -1) for f in fields(self)], 1)
-
-    @classmethod
-    def unpack(cls, table: torch.Tensor, prompt_width: int, response_width: int) -> "RolloutShare":
-        cols = table.split(cls._widths(prompt_width, response_width), 1)
-        return cls(**{f.name: (c if f.metadata["width"] else c[:, 0]).to(f.metadata["dtype"], copy=True)
-                      for f, c in zip(fields(cls), cols)})
-
-    @classmethod
-    def empty(cls, prompt_width: int, response_width: int) -> "RolloutShare":
-        width = sum(cls._widths(prompt_width, response_width))
-        return cls.unpack(torch.zeros(0, width, dtype=torch.float64), prompt_width, response_width)
+    share: RolloutShare
+    timing: Dict[str, float]
+    turn_stats: Dict[str, float]
+    components: List[dict]
 
 
 def stream_seed(base: int, step: int, k: int) -> int:
@@ -103,10 +66,11 @@ class GenerationStage:
 
     def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None, *,
                  prompt_cache: Optional[Dict[int, List[int]]] = None):
-        self.cfg, self.dims, self.tokenizer, self.engine, self.env = cfg, dims, tokenizer, engine, env
+        self.cfg, self.dims, self.tokenizer, self.engine = cfg, dims, tokenizer, engine
         self.rollout_cfg = cfg.actor_rollout_ref.rollout
         self.train_rows = train_rows
         d, fg = cfg.data, cfg.algorithm.filter_groups
+        self.loop = build_agent_loop(cfg, tokenizer, engine, env)
         # Prompt ids by train row (data.encode_rows fills it on load); rows missing from it are encoded when drawn.
         self._prompt_cache: Dict[int, List[int]] = {} if prompt_cache is None else prompt_cache
         self.cursor = data_mod.BatchCursor(len(train_rows), cfg.gen_batch_size, seed=cfg.trainer.seed,
@@ -119,13 +83,6 @@ class GenerationStage:
         self.sources = [str(row.get("data_source", "")) for row in train_rows]
         ceiling = memory_ceiling(cfg, dims) if fg.adaptive else len(train_rows)
         self.sampling = SamplingController(cfg, dp=dims.rollout_ranks, ceiling=min(ceiling, len(train_rows)))
-        crf = cfg.custom_reward_function
-        self.reward_fn = rewards.load_reward_fn(crf.path, crf.name) if crf.path else rewards.default_compute_score
-        self.scorers = {}
-        if env is not None and cfg.reward_model.dialogue.scorers:
-            from .rewards.scorers import build_scorers
-
-            self.scorers = build_scorers(cfg.reward_model.dialogue)
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor.state_dict(), "accumulator": self.accumulator.state_dict(),
@@ -133,7 +90,7 @@ class GenerationStage:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
-        acc, n = state["accumulator"], self.rollout_cfg.n
+        acc, n = _renamed_accumulator_state(state["accumulator"]), self.rollout_cfg.n
         saved_n = dk.DynamicBatchAccumulator.state_n_per_prompt(acc)
         if saved_n not in (None, n):  # groups of another rollout.n cannot join this run's train batches
             if self.dims.rank == 0:
@@ -166,59 +123,16 @@ class GenerationStage:
         return stream_seed(self.cfg.trainer.seed, step, k)
 
     # ------------------------------------------------------------------ rollout + reward
-    def prompt_ids(self, rows_idx: List[int], rows: List[dict], cache: Optional[dict]) -> List[List[int]]:
-        """Templated, tokenised, length-checked prompts of ``rows[i] for i in rows_idx`` (memoised in ``cache``)."""
-        cache = {} if cache is None else cache
-        for i in rows_idx:
-            if i not in cache:
-                cache[i] = data_mod.row_prompt_ids(self.tokenizer, rows[i]["prompt"], self.cfg.data)
-        return [cache[i] for i in rows_idx]
+    def rollout(self, *, rows: List[dict], keys: List[int], cache: Optional[dict] = None, n: int, temperature: float,
+                top_p: float, seed: int, prompt_offset: int = 0) -> Episodes:
+        """``n`` responses to each of ``rows`` (``keys``: their indices in the data, the keys of the
+        prompt ``cache``); ``prompt_offset``: index of the first row in the whole generation batch."""
+        return self.loop.run(rows=rows, keys=keys, cache=cache, n=n, temperature=temperature, top_p=top_p, seed=seed,
+                             prompt_offset=prompt_offset)
 
-    def rollout(self, idx: List[int], rows: List[dict], all_rows: List[dict], cache: Optional[dict], n: int,
-                temperature: float, top_p: float, seed: int, prompt_offset: int = 0):
-        """``(out, prompt ids per row)``: one engine call, or a multi-turn rollout with the environment.
-        ``prompt_offset``: index of the first row in the whole generation batch (single-turn streams)."""
-        d = self.cfg.data
-        if self.env is None:
-            prompts = self.prompt_ids(idx, all_rows, cache)
-            return self.engine.generate(prompts, n, d.max_response_length, temperature=temperature, top_p=top_p,
-                                        seed=seed, stop_token_ids=self.tokenizer.eos_token_ids,
-                                        prompt_offset=prompt_offset), prompts
-        ec = self.cfg.environment
-        out = multi_turn_rollout(self.engine, self.tokenizer, self.env, rows, n, max_prompt_length=d.max_prompt_length,
-                                 max_response_length=d.max_response_length, max_turns=ec.max_turns,
-                                 max_turn_tokens=ec.max_turn_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                 use_chat_template=d.apply_chat_template, truncation=d.truncation,
-                                 on_error=ec.on_error)
-        return out, out.prompt_ids
-
-    def score(self, out, rows: List[dict]):
+    def score(self, episodes: Episodes, rows: List[dict]):
         """Rewards of every response: (score, acc, components) lists."""
-        max_len = self.cfg.data.max_response_length
-        if self.env is not None:
-            return dialogue.score_dialogues(
-                out, rows, reward_fn=self.reward_fn if self.cfg.custom_reward_function.path else None,
-                weights=self.cfg.reward_model.dialogue.weights, scorers=self.scorers, max_response_length=max_len)
-        stops = set(self.tokenizer.eos_token_ids)
-        scores, accs, comps = [], [], []
-        for k in range(out.num_responses):
-            ids = out.response(k)
-            truncated = not ids or ids[-1] not in stops
-            body = ids if truncated else ids[:-1]
-            row_index = out.group_index[k].item()
-            row = rows[row_index]
-            # verl's reward managers pass the row's extra_info with the per-response keys merged in.
-            extra = {**row.get("extra_info", {}), "prompt": row["prompt"], "response_length": len(ids),
-                     "max_response_length": max_len, "truncated": truncated}
-            score, res = rewards.check_reward(
-                self.reward_fn(row["data_source"], self.tokenizer.decode(body), row["ground_truth"], extra),
-                fn_name=getattr(self.reward_fn, "__name__", repr(self.reward_fn)), sample_index=k,
-                row_index=row_index)
-            acc = float(res["acc"]) if "acc" in res else float(score > 0)
-            scores.append(score)
-            accs.append(acc)
-            comps.append(res)
-        return scores, accs, comps
+        return self.loop.score(episodes, rows)
 
     def _filter_metric(self, score, acc, final, comps) -> torch.Tensor:
         m = self.cfg.algorithm.filter_groups.metric
@@ -242,20 +156,20 @@ class GenerationStage:
         if getattr(self.engine, "lockstep_group", None) is not None:
             self.engine.generate([], 1, max_new_tokens)
 
-    def _sample_share(self, idx: List[int], rows: List[dict], offset: int, seed: int):
+    def _sample_share(self, idx: List[int], rows: List[dict], offset: int, seed: int) -> _SampledShare:
         """Sample, reward and measure this replica's share of a generation batch (rows ``idx`` of
-        the data, from index ``offset`` of the batch). Returns ``(share, local_tokens, timing,
-        turn_stats, reward components)``."""
+        the data, from index ``offset`` of the batch)."""
         d, r = self.cfg.data, self.rollout_cfg
         R, P = d.max_response_length, d.max_prompt_length
         if not rows:  # more replicas than prompts: this one only receives
             self.join_lockstep(R)
-            return RolloutShare.empty(P, R), 0, {"timing_s/gen": 0.0, "timing_s/reward": 0.0}, {}, []
+            return _SampledShare(RolloutShare.empty(P, R), {"timing_s/gen": 0.0, "timing_s/reward": 0.0}, {}, [])
         t0 = time.perf_counter()
-        out, prompts = self.rollout(idx, rows, self.train_rows, self._prompt_cache, r.n, r.temperature, r.top_p,
-                                    seed, offset)
+        ep = self.rollout(rows=rows, keys=idx, cache=self._prompt_cache, n=r.n, temperature=r.temperature,
+                          top_p=r.top_p, seed=seed, prompt_offset=offset)
         t1 = time.perf_counter()
-        score, acc, comps = self.score(out, rows)
+        score, acc, comps = self.score(ep, rows)
+        out, prompts = ep.out, ep.prompts
         score = torch.tensor(score, dtype=torch.float64)
         acc = torch.tensor(acc, dtype=torch.float64)
         lengths, N = out.lengths, len(score)
@@ -279,16 +193,13 @@ class GenerationStage:
         sampled = torch.zeros(N, R, dtype=torch.bool)
         mask = getattr(out, "response_mask", None)
         sampled[valid] = True if mask is None else mask.bool()
-        # Assistant turns per response (a single-turn response is one), for actor.dynamic_token_len.
-        turns = [c.num_turns for c in out.conversations] if self.env is not None else [1] * N
         share = RolloutShare(
             prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, sampled=sampled,
             prompt_len=torch.tensor([len(prompts[g]) for g in groups], dtype=torch.int64), response_len=lengths,
             stopped=torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.bool), score=score, acc=acc,
-            reward=final, filter_metric=metric, failed=failed, turns=torch.tensor(turns, dtype=torch.float64))
-        turn_stats = out.turn_stats() if self.env is not None else {}
+            reward=final, filter_metric=metric, failed=failed, turns=torch.tensor(ep.turns, dtype=torch.float64))
         timing = {"timing_s/gen": t1 - t0, "timing_s/reward": time.perf_counter() - t1}
-        return share, int(lengths.sum()), timing, turn_stats, comps
+        return _SampledShare(share, timing, ep.turn_stats, comps)
 
     def _gather_shares(self, share: RolloutShare, rows_per_replica: List[int]) -> RolloutShare:
         """Every replica's share, in replica order (one all-gather over the DP group, on its device)."""
@@ -302,19 +213,19 @@ class GenerationStage:
         d = self.cfg.data
         return RolloutShare.unpack(table, d.max_prompt_length, d.max_response_length)
 
-    def generation_batch(self, step: int, k: int) -> dict:
+    def generation_batch(self, step: int, k: int) -> GenerationBatch:
         """Generate, reward and filter one generation batch of ``cursor.batch_size`` prompts; rows padded
-        to fixed widths. ``turn_stats`` are this replica's."""
+        to fixed widths."""
         n, dp = self.rollout_cfg.n, self.dims.rollout_ranks  # DP replicas, or every replica-holding rank
         idx = self.cursor.next_batch()
         B = len(idx)
         bounds = [B * q // dp for q in range(dp + 1)]
         q = self.dims.rollout_rank
         lo, hi = bounds[q], bounds[q + 1]
-        share, local_tokens, timing, turn_stats, comps = self._sample_share(
-            idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self.seed(step, k))
+        mine = self._sample_share(idx[lo:hi], [self.train_rows[i] for i in idx[lo:hi]], lo, self.seed(step, k))
+        timing = mine.timing
         t0 = time.perf_counter()
-        s = self._gather_shares(share, [(bounds[i + 1] - bounds[i]) * n for i in range(dp)])
+        s = self._gather_shares(mine.share, [(bounds[i + 1] - bounds[i]) * n for i in range(dp)])
         timing["timing_s/gen"] += time.perf_counter() - t0
         t2 = time.perf_counter()
         algo = self.cfg.algorithm
@@ -325,19 +236,17 @@ class GenerationStage:
         else:
             keep = torch.ones(len(s.reward), dtype=torch.bool)
         group_index = torch.arange(B, dtype=torch.int64).repeat_interleave(n)
-        keep = keep & ~s.failed.view(B, n).any(1).repeat_interleave(n)  # on_error=drop: never train on failed groups
-        tensors = {"prompt_ids": s.prompt_ids, "prompt_len": s.prompt_len, "response_ids": s.response_ids,
-                   "response_len": s.response_len, "rollout_log_prob": s.log_probs, "response_mask": s.sampled,
-                   "advantages": adv.advantages.float(), "score": s.score, "acc": s.acc, "reward": s.reward,
-                   "truncated": ~s.stopped, "num_turns": s.turns}
+        failed = s.failed.view(B, n).any(1)
+        keep = keep & ~failed.repeat_interleave(n)  # on_error=drop: never train on failed groups
+        batch = TrainBatch.of(s, adv.advantages.float(), group_index)
         timing["timing_s/filter"] = time.perf_counter() - t2
-        return {"tensors": tensors, "group_index": group_index, "keep": keep, "metric": metric,
-                "raw_metric": s.filter_metric, "rows": idx, "turn_stats": turn_stats, "timing": timing,
-                "tokens": int(s.prompt_len.sum() + s.response_len.sum()),
-                "local_tokens": local_tokens, "components": {lo * n + i: c for i, c in enumerate(comps)},
-                "failed_groups": s.failed.view(B, n).any(1).sum()}
+        return GenerationBatch(
+            batch=batch, keep=keep, metric=metric, raw_metric=s.filter_metric, rows=idx, turn_stats=mine.turn_stats,
+            timing=timing, tokens=int(s.prompt_len.sum() + s.response_len.sum()),
+            local_tokens=int(mine.share.response_len.sum()),
+            components={lo * n + i: c for i, c in enumerate(mine.components)}, failed_groups=failed.sum())
 
-    def collect(self, step: int):
+    def collect(self, step: int) -> Tuple[TrainBatch, Dict[str, float]]:
         """Fill a train batch by dynamic sampling. Returns (batch, metrics)."""
         # A step whose train batch the carried-over groups fill generates nothing: its timings are 0, not missing.
         timing, tokens, local_tokens, k = dict.fromkeys(_TIMINGS, 0.0), 0, 0, 0
@@ -352,23 +261,23 @@ class GenerationStage:
             self.cursor.batch_size = self.sampling.gen_size(acc.num_buffered_groups, k)
             gb = self.generation_batch(step, k)
             k += 1
-            prompts += len(gb["rows"])
-            raw_metrics.append(gb["raw_metric"])
+            prompts += len(gb.rows)
+            raw_metrics.append(gb.raw_metric)
             if dump is not None:
                 dump.append(gb)
-            for key, v in gb["turn_stats"].items():
+            for key, v in gb.turn_stats.items():
                 turn_stats[key] += v
-            for key, v in gb["timing"].items():
+            for key, v in gb.timing.items():
                 timing[key] += v
-            tokens += gb["tokens"]
-            local_tokens += gb["local_tokens"]
-            truncated += int(gb["tensors"]["truncated"].sum())
-            sampled += len(gb["tensors"]["truncated"])
+            tokens += gb.tokens
+            local_tokens += gb.local_tokens
+            truncated += int((~gb.batch.stopped).sum())
+            sampled += len(gb.batch.stopped)
             t0 = time.perf_counter()
-            self.sampling.observe_round(round_counts([self.sources[i] for i in gb["rows"]], gb["keep"]))
-            failed_groups = failed_groups + gb["failed_groups"]
+            self.sampling.observe_round(round_counts([self.sources[i] for i in gb.rows], gb.keep))
+            failed_groups = failed_groups + gb.failed_groups
             try:
-                acc.add(gb["tensors"], gb["group_index"], gb["keep"], scores=gb["metric"])
+                acc.add(gb.batch.tensors(), gb.batch.group_index, gb.keep, scores=gb.metric)
             except dk.DynamicSamplingExhausted as e:
                 # The accumulator sees only kept / dropped, not why: the threshold or environment errors.
                 note = self.sampling.threshold_note(step, raw_metrics)
@@ -385,7 +294,7 @@ class GenerationStage:
                     f"stops once a whole pass over the {len(self.train_rows)} training rows keeps no group: look at "
                     "the reward function and algorithm.filter_groups.metric, which were the same within every group")
             if not warned and fg.enable and not acc.ready:
-                warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb["rows"]), self.max_rounds,
+                warned = self.sampling.warn_if_exhausting(acc, step, k, len(gb.rows), self.max_rounds,
                                                           log=self.dims.rank == 0,
                                                           cause=self.sampling.threshold_note(step, raw_metrics))
             timing["timing_s/filter"] += time.perf_counter() - t0
@@ -396,10 +305,10 @@ class GenerationStage:
             note = self.sampling.threshold_note(step, raw_metrics)
             raise dk.DynamicSamplingExhausted(acc.exhausted_message(self.max_rounds) + " (on_exhausted=short_batch: "
                                               "no group to train on)" + (f" But {note}." if note else ""))
-        batch = acc.take(fg.prefer, "response_len", seed=self.seed(step, -2),
-                         num_groups=short_batch_groups(acc.num_buffered_groups,
-                                                       self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
-                         if short else None)
+        batch = TrainBatch.from_tensors(acc.take(
+            fg.prefer, "response_len", seed=self.seed(step, -2),
+            num_groups=short_batch_groups(acc.num_buffered_groups, self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+            if short else None))
         threshold = self.sampling.threshold.value(step)
         if raw_metrics:
             self.sampling.threshold.observe(torch.cat(raw_metrics), n)
@@ -425,23 +334,39 @@ class GenerationStage:
                         for key, v in turn_stats.items()})
         return batch, metrics
 
-    def _dump_rollouts(self, step: int, gbs: List[dict]) -> None:
+    def _dump_rollouts(self, step: int, gbs: List[GenerationBatch]) -> None:
         """Write ``trainer.rollout_data_dir/{step}.jsonl`` (format: :mod:`dapo_trainer.rollout_dump`)."""
         t, n = self.cfg.trainer, self.rollout_cfg.n
         rows = []
-        picks = rollout_dump.spread_groups([len(gb["keep"]) // n for gb in gbs], n, t.rollout_data_max_rows)
+        picks = rollout_dump.spread_groups([len(gb.keep) // n for gb in gbs], n, t.rollout_data_max_rows)
         for k, g in picks:
             gb = gbs[k]
-            x = gb["tensors"]
+            x = gb.batch
             for j in range(g * n, (g + 1) * n):
-                pl, rl = int(x["prompt_len"][j]), int(x["response_len"][j])
-                ids = x["response_ids"][j, :rl].tolist()
-                comps = {c: v for c, v in gb["components"].get(j, {}).items() if isinstance(v, (int, float, str))}
+                pl, rl = int(x.prompt_len[j]), int(x.response_len[j])
+                ids = x.response_ids[j, :rl].tolist()
+                comps = {c: v for c, v in gb.components.get(j, {}).items() if isinstance(v, (int, float, str))}
                 rows.append({"step": step, "gen_batch": k, "group": g, "sample": j - g * n,
-                             "prompt": self.tokenizer.decode(x["prompt_ids"][j, :pl].tolist()),
+                             "prompt": self.tokenizer.decode(x.prompt_ids[j, :pl].tolist()),
                              "response": self.tokenizer.decode(ids), "response_ids": ids, "response_length": rl,
-                             "finish_reason": "length" if bool(x["truncated"][j]) else "stop",
-                             "score": float(x["score"][j]), "acc": float(x["acc"][j]),
-                             "reward": float(x["reward"][j]), "filter_metric": float(gb["metric"][j]),
-                             "components": comps, "kept": bool(gb["keep"][j])})
+                             "finish_reason": "stop" if bool(x.stopped[j]) else "length",
+                             "score": float(x.score[j]), "acc": float(x.acc[j]),
+                             "reward": float(x.reward[j]), "filter_metric": float(gb.metric[j]),
+                             "components": comps, "kept": bool(gb.keep[j])})
         rollout_dump.write_step(t.rollout_data_dir, step, rows)
+
+
+def _renamed_accumulator_state(state: dict) -> dict:
+    """``state`` with its chunks keyed by :class:`TrainBatch`'s field names (``truncated``: ``~stopped``)."""
+    keys, chunks = (state.get("keys"), state.get("chunks")) if isinstance(state, dict) else (None, None)
+    if not isinstance(keys, (list, tuple)) or "truncated" not in keys or not isinstance(chunks, (list, tuple)) \
+            or not all(isinstance(c, dict) and "truncated" in c for c in chunks):
+        return state  # (the accumulator's load_state_dict names what is wrong with a malformed state)
+
+    def rename(chunk):
+        out = {_OLD_KEYS.get(k, k): v for k, v in chunk.items() if k != "truncated"}
+        out["stopped"] = ~chunk["truncated"]
+        return out
+
+    keys = tuple(sorted({_OLD_KEYS.get(k, k) for k in state["keys"] if k != "truncated"} | {"stopped"}))
+    return {**state, "chunks": [rename(c) for c in state["chunks"]], "keys": keys}

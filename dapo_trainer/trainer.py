@@ -246,10 +246,10 @@ class DAPOTrainer:
                 gen.join_lockstep(d.max_response_length)
                 continue
             rows = [self.val_rows[i] for i in idx]
-            out, _ = gen.rollout(idx, rows, self.val_rows, self.val_prompts, vk.n, vk.temperature, vk.top_p,
-                                 gen.seed(self.global_step, -1))
-            score, acc, _ = gen.score(out, rows)
-            sums += torch.tensor([sum(score), sum(acc), float(out.lengths.sum()), len(score)], dtype=torch.float64)
+            ep = gen.rollout(rows=rows, keys=idx, cache=self.val_prompts, n=vk.n, temperature=vk.temperature,
+                             top_p=vk.top_p, seed=gen.seed(self.global_step, -1))
+            score, acc, _ = gen.score(ep, rows)
+            sums += torch.tensor([sum(score), sum(acc), float(ep.out.lengths.sum()), len(score)], dtype=torch.float64)
         if dp > 1:
             sums = sums.to(self.dims.comm_device)
             dist.all_reduce(sums, group=self.dims.rollout_group)

@@ -147,7 +147,7 @@ def test_trainer_update_reads_nothing_inside_the_micro_batch_loop(tmp_path, monk
             def counted_plan(b):
                 with c.paused():
                     out = plan(b)
-                micro[cap] = sum(len(p["micro"]) for p in out)
+                micro[cap] = sum(len(p.micro) for p in out)
                 return out
 
             def paused_pack(b, rows):

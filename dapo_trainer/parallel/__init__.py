@@ -20,7 +20,8 @@ _EXPORTS = {
     "apply_sequence_parallel": "sequence", "shard_sequence": "sequence",
     "ParallelDims": "dims", "parallelize_model": "dims",
     "apply_pipeline": "pipeline", "build_pipeline": "pipeline", "pipeline_state_dict": "pipeline",
-    "pp_clip_grads": "pipeline", "tied_grad_sync": "pipeline", "stage_keep": "pipeline",
+    "tied_grad_sync": "pipeline", "stage_keep": "pipeline", "tied_parameter": "pipeline",
+    "clip_grad_norm": "grads",
 }
 
 __all__ = [
@@ -29,7 +30,8 @@ __all__ = [
     "apply_pipeline",
     "build_pipeline",
     "pipeline_state_dict",
-    "pp_clip_grads",
+    "tied_parameter",
+    "clip_grad_norm",
     "tied_grad_sync",
     "stage_keep",
     "parallelize",

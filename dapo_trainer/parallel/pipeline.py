@@ -159,9 +159,10 @@ def tied_parameter(model: Transformer) -> Optional[nn.Parameter]:
 class Pipeline:
     """The stages of one model on this rank and their schedules (one per micro-batch count and mode).
 
-    ``run(mbs, cap, on_output, train)``: ``mbs`` packed micro-batches (``actor.pack_micro_batch``
-    dicts), in the order to run them; ``on_output(i, hidden)`` is called on the last stage with
-    micro-batch ``i``'s unpadded hidden states and returns its loss (``train``) or anything.
+    ``run(mbs, cap, on_output, train)``: ``mbs`` packed micro-batches
+    (:class:`~dapo_trainer.records.MicroBatch`), in the order to run them; ``on_output(i, hidden)``
+    is called on the last stage with micro-batch ``i``'s unpadded hidden states and returns its
+    loss (``train``) or anything.
     """
 
     def __init__(self, chunks: List[StageChunk], modules: List[nn.Module], *, pp_rank: int, pp: int, v: int,
@@ -199,7 +200,7 @@ class Pipeline:
         i = int(target.reshape(-1)[0])
         return self._hook(i, output[:self._tokens[i]])
 
-    def run(self, mbs: Sequence[dict], cap: int, on_output: Callable[[int, torch.Tensor], torch.Tensor],
+    def run(self, mbs: Sequence, cap: int, on_output: Callable[[int, torch.Tensor], torch.Tensor],
             train: bool) -> None:
         """One pass of the micro-batches through the pipe (forward and backward when ``train``)."""
         m, L = len(mbs), self.max_seqs + 2
@@ -208,13 +209,13 @@ class Pipeline:
         msl = torch.zeros(m, dtype=torch.long)
         self._tokens = []
         for i, mb in enumerate(mbs):
-            t, cu = mb["input_ids"].shape[0], mb["cu_seqlens"]
+            t, cu = mb.input_ids.shape[0], mb.cu_seqlens
             if t > cap or cu.shape[0] > L - 1:
                 raise ValueError(f"micro-batch {i}: {t} tokens in {cu.shape[0] - 1} sequences exceed the pipeline's "
                                  f"static shape ({cap} tokens, {L - 2} sequences)")
-            ids[i * cap:i * cap + t] = mb["input_ids"]
+            ids[i * cap:i * cap + t] = mb.input_ids
             cus[i, :cu.shape[0]] = cu  # then the padding: one sequence up to cap, then empty ones
-            msl[i] = max(mb["max_seqlen"], cap - t)
+            msl[i] = max(mb.max_seqlen, cap - t)
             self._tokens.append(t)
         self._hook = on_output
         sched = self._schedule(m, cap, train)
@@ -238,40 +239,6 @@ def tied_grad_sync(model: Transformer, group) -> None:
         return
     g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
     dist.all_reduce(g, group=group)
-
-
-def pp_clip_grads(model: Transformer, clip: float, *, pp_group, tp_group=None, dp_group=None,
-                  sharded: Sequence[str] = (), fsdp: bool = False, comm_device=None) -> torch.Tensor:
-    """Clip every stage's gradients to the norm of the whole model's (unsharded) gradient; returns it.
-
-    Squared norms of this rank's gradients split into [0] TP-sharded and [1] TP-replicated ones
-    (under FSDP2 the local shards summed over ``dp_group`` first); the sharded part summed over
-    the TP group, then all over the pipeline group. The last stage's copy of a tied embedding is
-    left out of the norm (the first stage's counts it) but clipped.
-    """
-    sq = torch.zeros(2, dtype=torch.float64, device=comm_device)
-    copy = tied_parameter(model) if model.embed_tokens is None else None
-    grads = []
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        grads.append(g)
-        if p is not copy:
-            sq[0 if name in sharded else 1] += g.double().pow(2).sum()
-    if fsdp and dp_group is not None:
-        dist.all_reduce(sq, group=dp_group)
-    if tp_group is not None:
-        shard_sq = sq[:1].clone()
-        dist.all_reduce(shard_sq, group=tp_group)
-        sq[0] = shard_sq[0]
-    total = sq.sum().reshape(1)
-    dist.all_reduce(total, group=pp_group)
-    norm = total[0].sqrt()
-    coef = (clip / (norm + 1e-6)).clamp(max=1.0).float()
-    for g in grads:
-        g.mul_(coef.to(g.device))
-    return norm
 
 
 def pipeline_state_dict(model: Transformer, dims) -> dict:

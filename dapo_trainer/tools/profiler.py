@@ -106,13 +106,13 @@ def run_profile(cfg, *, steps: Optional[int] = None, duration: Optional[float] =
         t0 = time.perf_counter()
         gb = gen_batch(step, k)
         rec["gen_batch_s"].append(time.perf_counter() - t0)
-        rec["response_len"] += gb["tensors"]["response_len"].tolist()
+        rec["response_len"] += gb.batch.response_len.tolist()
         return gb
 
     def recorded_plan(batch):
         p = plan(batch)
-        seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
-        rec["micro_tokens"] += [sum(seqlens[i] for i in mb) for mini in p for mb in mini["micro"]]
+        seqlens = (batch.prompt_len + batch.response_len).tolist()
+        rec["micro_tokens"] += [sum(seqlens[i] for i in mb) for mini in p for mb in mini.micro]
         return p
 
     trainer.generation.generation_batch, trainer.actor.plan = timed_generation_batch, recorded_plan

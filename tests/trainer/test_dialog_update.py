@@ -2,6 +2,7 @@
 batch's dialogue turns (``actor.dynamic_token_len``) and its utilisation, and old / reference
 log-probs projected onto the vocabulary only where the response mask is set."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from dapo_trainer.actor import masked_log_probs, pack_micro_batch, scaled_token_
 from dapo_trainer.trainer import DAPOTrainer
 from tests.tolerance import assert_close_to_ref
 from tests.trainer.test_multiturn import echo_setup
-from tests.trainer.tiny import micro_setup, write_tiny_model
+from tests.trainer.tiny import micro_setup, train_batch, write_tiny_model
 
 ISSUE = DynamicTokenLenConfig(long_turns=5, long_factor=1.5, short_turns=2, short_factor=0.7, max_token_len=5000)
 
@@ -59,16 +60,16 @@ def test_update_scales_micro_batches_by_turns_and_reports_utilization(tmp_path):
         f"{key}={{long_turns: 5, long_factor: 1.5, short_turns: 2, short_factor: 0.7, max_token_len: 32}}"]
     trainer = DAPOTrainer(load_config(overrides=base))
     batch, _ = trainer.generation.collect(1)
-    assert torch.equal(batch["num_turns"], torch.ones_like(batch["num_turns"]))  # single-turn rows: 1 turn
-    seqlens = (batch["prompt_len"] + batch["response_len"]).tolist()
+    assert torch.equal(batch.turns, torch.ones_like(batch.turns))  # single-turn rows: 1 turn
+    seqlens = (batch.prompt_len + batch.response_len).tolist()
     caps, micro = {}, {}
     for turns in (1.0, 3.0, 6.0):
-        batch["num_turns"] = torch.full_like(batch["num_turns"], turns)
+        batch = replace(batch, turns=torch.full_like(batch.turns, turns))
         plan = trainer.actor.plan(batch)
-        caps[turns] = {p["max_token_len"] for p in plan}
-        micro[turns] = sum(len(p["micro"]) for p in plan)
+        caps[turns] = {p.max_token_len for p in plan}
+        micro[turns] = sum(len(p.micro) for p in plan)
         for p in plan:
-            assert all(sum(seqlens[i] for i in mb) <= p["max_token_len"] for mb in p["micro"])
+            assert all(sum(seqlens[i] for i in mb) <= p.max_token_len for mb in p.micro)
     # 0.7 x 24 = 16 (the longest sequence is shorter), 24, min(36, ceiling 32).
     assert caps == {1.0: {max(16, max(seqlens))}, 3.0: {24}, 6.0: {32}}, caps
     assert micro[1.0] >= micro[3.0] >= micro[6.0] and micro[1.0] > micro[6.0], micro
@@ -83,11 +84,11 @@ def test_multiturn_batch_carries_each_dialogues_turns(tmp_path):
     trainer = DAPOTrainer(load_config(overrides=overrides))
     batch, _ = trainer.generation.collect(1)
     # An assistant turn is a run of sampled tokens: the runs of the response mask count the turns.
-    for row, turns in enumerate(batch["num_turns"].tolist()):
-        m = batch["response_mask"][row, :int(batch["response_len"][row])].tolist()
+    for row, turns in enumerate(batch.turns.tolist()):
+        m = batch.sampled[row, :int(batch.response_len[row])].tolist()
         runs = sum(1 for i, x in enumerate(m) if x and (i == 0 or not m[i - 1]))
         assert turns == runs, (row, turns, m)
-    assert batch["num_turns"].max() > 1
+    assert batch.turns.max() > 1
 
 
 def _multiturn_micro_batch(V, gen):
@@ -103,9 +104,9 @@ def _multiturn_micro_batch(V, gen):
             w = int(torch.randint(1, 4, (1,), generator=gen))
             mask[b, t:t + w] = sampled
             t, sampled = t + w, not sampled
-    batch = {"prompt_ids": torch.randint(2, V, (B, P), generator=gen), "prompt_len": prompt_len,
-             "response_ids": torch.randint(2, V, (B, R), generator=gen), "response_len": response_len,
-             "response_mask": mask, "advantages": torch.randn(B, generator=gen)}
+    batch = train_batch(prompt_ids=torch.randint(2, V, (B, P), generator=gen), prompt_len=prompt_len,
+                        response_ids=torch.randint(2, V, (B, R), generator=gen), response_len=response_len,
+                        sampled=mask, advantages=torch.randn(B, generator=gen))
     return pack_micro_batch(batch, list(range(B)), torch.device("cpu"))
 
 
@@ -113,7 +114,7 @@ def test_old_and_ref_log_probs_projected_only_where_the_mask_is_set(tmp_path):
     model = load_hf_model(write_tiny_model(str(tmp_path / "m"), layers=2), torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(random.randrange(10**6))
     mb = _multiturn_micro_batch(model.config.vocab_size, gen)
-    mask = mb["mask"]
+    mask = mb.mask
     assert 0 < int(mask.sum()) < mask.numel() // 2  # prompts and environment spans are masked out
     rows = []
     log_probs = model.log_probs
@@ -125,10 +126,10 @@ def test_old_and_ref_log_probs_projected_only_where_the_mask_is_set(tmp_path):
     model.log_probs = spy
     with torch.no_grad():
         out = masked_log_probs(model, mb, temperature=0.7)
-        hidden = model(mb["input_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+        hidden = model(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
     assert rows == [int(mask.sum())]  # the vocabulary projection saw the sampled tokens only
     assert out.shape == mask.shape and torch.all(out[~mask] == 0)
-    h, labels, w = hidden[mask], mb["labels"][mask], model.lm_head.weight
+    h, labels, w = hidden[mask], mb.labels[mask], model.lm_head.weight
     ref64 = torch.log_softmax(h.double() @ w.double().T / 0.7, -1).gather(1, labels[:, None].long())[:, 0]
     torch32 = torch.log_softmax(h @ w.T / 0.7, -1).gather(1, labels[:, None].long())[:, 0]
     assert_close_to_ref(out[mask], ref64, torch32, name="masked log-probs")

@@ -19,7 +19,7 @@ from dapo_trainer.rollout.multiturn import multi_turn_rollout
 from dapo_trainer.actor import pack_micro_batch
 from dapo_trainer.trainer import DAPOTrainer
 from tests.tolerance import assert_close_to_ref
-from tests.trainer.tiny import micro_setup, write_tiny_model
+from tests.trainer.tiny import micro_setup, train_batch, write_tiny_model
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -155,8 +155,8 @@ def test_masks_exclude_every_environment_token(tmp_path, chat):
     # The trainer packs the same mask: label t+1 predicted at t only for sampled tokens.
     batch, rows = _batch(out, 40, 60)
     mb = pack_micro_batch(batch, rows, torch.device("cpu"))
-    assert int(mb["mask"].sum()) == int(out.response_mask.sum())
-    assert mb["labels"][mb["mask"]].tolist() == out.response_ids[out.response_mask].tolist()
+    assert int(mb.mask.sum()) == int(out.response_mask.sum())
+    assert mb.labels[mb.mask].tolist() == out.response_ids[out.response_mask].tolist()
 
 
 def _batch(out, P, R):
@@ -171,8 +171,8 @@ def _batch(out, P, R):
         s, e = int(out.cu_seqlens[k]), int(out.cu_seqlens[k + 1])
         response_ids[k, :e - s], response_mask[k, :e - s] = out.response_ids[s:e], out.response_mask[s:e]
     adv = torch.randn(N)
-    return ({"prompt_ids": prompt_ids, "prompt_len": plen, "response_ids": response_ids,
-             "response_len": out.lengths, "response_mask": response_mask, "advantages": adv}, list(range(N)))
+    return (train_batch(prompt_ids=prompt_ids, prompt_len=plen, response_ids=response_ids, response_len=out.lengths,
+                        sampled=response_mask, advantages=adv), list(range(N)))
 
 
 def _masked_loss_ref(hidden, weight, labels, old, adv, ref_lp, mask, cu, mode, T, ec, kc):
@@ -202,10 +202,10 @@ def test_fused_loss_on_multiturn_batch_equals_masked_float64_reference(tmp_path,
     _, _, _, out = _rollout(tmp_path, False, RandomEnv(seed=random.randrange(10**6), p_done=0.1))
     batch, rows = _batch(out, 40, 60)
     mb = pack_micro_batch(batch, rows, torch.device("cpu"))
-    T, H, V = mb["input_ids"].shape[0], 16, 64
+    T, H, V = mb.input_ids.shape[0], 16, 64
     g = torch.Generator().manual_seed(random.randrange(2**31))
     hidden, weight = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) * 0.5
-    labels, mask, cu, adv = mb["labels"], mb["mask"], mb["cu_seqlens"], mb["advantages"]
+    labels, mask, cu, adv = mb.labels, mb.mask, mb.cu_seqlens, mb.advantages
     assert bool(mask.any()) and not bool(mask.all())
     old = torch.randn(T, generator=g) * 0.3 - 3.0
     ref_lp = torch.randn(T, generator=g) * 0.3 - 3.0

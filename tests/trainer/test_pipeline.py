@@ -80,7 +80,7 @@ def _run(overrides) -> dict:
 
     def keeping_collect(step):
         batch, metrics = collect(step)
-        batches.append({k: v.clone() for k, v in batch.items()})
+        batches.append({k: v.clone() for k, v in batch.tensors().items()})
         return batch, metrics
 
     trainer.generation.collect = keeping_collect
@@ -138,7 +138,7 @@ def _compare(single: dict, got: dict, name: str) -> list:
     fails = []
     for key, t in single["batch"].items():
         g = got["batch"][key]
-        ok = g.shape == t.shape and ((g - t).abs().max() <= 1e-5 if key == "rollout_log_prob" else torch.equal(g, t))
+        ok = g.shape == t.shape and ((g - t).abs().max() <= 1e-5 if key == "log_probs" else torch.equal(g, t))
         if not ok:
             fails.append(f"{name}: train batch {key!r} differs from 1 process")
     m, ref = got["metrics"], single["metrics"]

@@ -73,7 +73,7 @@ def _run_trainer(overrides) -> dict:
 
     def keeping_collect(step):
         batch, metrics = collect(step)
-        batches.append({k: v.clone() for k, v in batch.items()})
+        batches.append({k: v.clone() for k, v in batch.tensors().items()})
         return batch, metrics
 
     trainer.engine.generate, trainer.generation.collect = counting_generate, keeping_collect
@@ -81,7 +81,7 @@ def _run_trainer(overrides) -> dict:
 
     def counting_plan(batch):
         p = plan(batch)
-        micro.extend(len(m["micro"]) for m in p)
+        micro.extend(len(m.micro) for m in p)
         return p
 
     trainer.actor.plan = counting_plan
@@ -134,7 +134,7 @@ def _compare(single: dict, ranks: list, scenarios: dict, tp_of: dict) -> list:
                 # The sampler's log-probs come from batches of another size: fp32 rounding apart
                 # (on this model they come out bitwise equal); everything else must be equal.
                 same = (got.shape == t.shape and (got - t).abs().max() <= LOG_PROB_ATOL) \
-                    if key == "rollout_log_prob" else torch.equal(got, t)
+                    if key == "log_probs" else torch.equal(got, t)
                 if not same:
                     failures.append(f"{name} rank {r}: train batch {key!r} differs from 1 process")
             m = res[name]["metrics"]

@@ -149,5 +149,5 @@ def test_resume_with_another_rollout_n_drops_the_carried_groups_and_trains(tmp_p
     assert "carries over 1 kept groups of actor_rollout_ref.rollout.n=4 responses each; this run has " \
            "rollout.n=3" in caplog.text
     batch, metrics = resumed.generation.collect(2)
-    assert batch["group_index"].tolist() == [0, 0, 0, 1, 1, 1]
-    assert batch["response_ids"].shape[0] == 6 and metrics["train/carried_in_groups"] == 0
+    assert batch.group_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch.response_ids.shape[0] == 6 and metrics["train/carried_in_groups"] == 0

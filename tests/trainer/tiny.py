@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import torch
 
 from dapo_trainer.hf_io import save_hf_model
 from dapo_trainer.model import ModelConfig, Transformer
+from dapo_trainer.records import TrainBatch
 
 CHARS = list("0123456789+-=*/ #:?\nabcdefghijklmnopqrstuvwxyz")
 SPECIALS = ["<pad>", "<eos>"]
@@ -91,3 +93,13 @@ def micro_setup(root: str, reward_src: str = PARITY_REWARD, *, n_train: int = 24
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2",
     ]
+
+
+def train_batch(**given) -> TrainBatch:
+    """A :class:`TrainBatch` of the ``given`` fields (``prompt_ids`` and ``response_ids`` among
+    them), every other field zeros of its dtype and width."""
+    (n, p), r = given["prompt_ids"].shape, given["response_ids"].shape[1]
+    width = {"prompt": (p,), "response": (r,), None: ()}
+    return TrainBatch(**{f.name: given[f.name] if f.name in given else
+                         torch.zeros(n, *width[f.metadata["width"]], dtype=f.metadata["dtype"])
+                         for f in fields(TrainBatch)})

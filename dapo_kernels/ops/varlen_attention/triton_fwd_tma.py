@@ -2,8 +2,8 @@
 descriptors (TMA), offered to the autotuner beside the pointer kernel's own configs.
 
 ``_varlen_attention_fwd_hopper_kernel`` is one autotuned kernel whose configs carry ``TMA``: with
-``TMA=False`` it is the pointer kernel of :mod:`.triton_kernels` inlined unchanged (today's configs
-of ``_GPU_TILES["fwd", 90, 2]``), with ``TMA=True`` the descriptor forward below
+``TMA=False`` it is the pointer kernel of :mod:`.triton_kernels` inlined unchanged (the configs of
+``_GPU_TILES["fwd", 90, 2]``), with ``TMA=True`` the descriptor forward below
 (``_GPU_TILES["tma_fwd", 90, 2]``), so timing both can only pick something at least as fast as the
 pointer kernel. The launcher (:mod:`.launch`) runs it on sm_90 for 16-bit inputs where a
 ``tma_fwd`` row exists; everything else runs the pointer kernel.
@@ -37,7 +37,7 @@ from .triton_kernels import (
 # an older Triton lacking them runs the pointer kernel only.
 DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
 _MAXNREG = {"tma_fwd_plain": TMA_FWD_PLAIN_MAXNREG}  # register caps per _GPU_TILES row (others: none)
-# Today's forward, inlined as the TMA=False branch (its autotuner's jit function).
+# The pointer forward, inlined as the TMA=False branch (its autotuner's jit function).
 _POINTER_FWD = _varlen_attention_fwd_kernel.fn
 
 
@@ -179,7 +179,7 @@ def _varlen_attention_fwd_hopper_kernel(
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
 ):
-    """The forward with a config-chosen load path: ``TMA`` descriptors, else today's pointer kernel."""
+    """The forward with a config-chosen load path: ``TMA`` descriptors, else the pointer kernel."""
     if TMA:
         _fwd_tma(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
                  HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IS_CAUSAL=IS_CAUSAL,

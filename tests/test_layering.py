@@ -21,6 +21,7 @@ npu_ops or dapo_trainer.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -213,18 +214,19 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_import_dapo_kernels_loads_no_upper_layer():
-    code = ("import sys, dapo_kernels\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('npu_ops', 'dapo_trainer', 'torch_npu'))\n"
-            "assert not bad, bad\nprint('OK')")
+def _loaded_after_import(module: str, prefixes: tuple) -> list:
+    """The modules starting with ``prefixes`` that ``import module`` loads in a fresh interpreter."""
+    code = (f"import json, sys, {module}\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_dapo_kernels_loads_no_upper_layer():
+    assert _loaded_after_import("dapo_kernels", ("npu_ops", "dapo_trainer", "torch_npu")) == []
 
 
 def test_import_model_loads_no_parallel():
     """Importing the model loads nothing of dapo_trainer.parallel (the package itself imports eagerly)."""
-    code = ("import sys, dapo_trainer.model\n"
-            "bad = sorted(m for m in sys.modules if m.startswith('dapo_trainer.parallel'))\n"
-            "assert not bad, bad\nprint('OK')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert _loaded_after_import("dapo_trainer.model", ("dapo_trainer.parallel",)) == []

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..model import Transformer
 from .collectives import heads_to_seq, seq_to_heads, sequence_shards
-from .tensor import check_not_yet, tensor_parallel_group
+from .tensor import check_not_yet, map_first_input, module_group, tensor_parallel_group
 
 
 class UlyssesAttention(nn.Module):
@@ -50,16 +50,7 @@ class UlyssesAttention(nn.Module):
 
 def sequence_parallel_group(model: nn.Module):
     """The group :func:`apply_sequence_parallel` made ``model`` sequence parallel over; None if not."""
-    return next((m.group for m in model.modules() if isinstance(m, UlyssesAttention)), None)
-
-
-def _keep_rank_tokens(group):
-    """Forward pre-hook of the embedding: this rank's contiguous shard of the packed token ids."""
-
-    def hook(module, args):
-        return (shard_sequence(args[0], group), *args[1:])
-
-    return hook
+    return module_group(model, UlyssesAttention)
 
 
 def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
@@ -82,7 +73,7 @@ def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
     for layer in model.layers.values():
         attn = layer.self_attn
         attn.inner_attention = UlyssesAttention(attn.inner_attention, sp_group)
-    model.embed_tokens.register_forward_pre_hook(_keep_rank_tokens(sp_group))
+    model.embed_tokens.register_forward_pre_hook(map_first_input(lambda ids: shard_sequence(ids, sp_group)))
     return model
 
 

@@ -119,16 +119,21 @@ class VocabParallelLMHead(_Sharded):
 
 
 # --------------------------------------------------------------------------- parallelize
+def module_group(model: nn.Module, kind: type):
+    """The ``group`` of ``model``'s first submodule of type ``kind`` (a parallel module); None without one."""
+    return next((m.group for m in model.modules() if isinstance(m, kind)), None)
+
+
 def tensor_parallel_group(model: nn.Module):
     """The group ``model``'s weights are sharded over by :func:`parallelize`; None if not tensor parallel."""
-    return next((m.group for m in model.modules() if isinstance(m, _Sharded)), None)
+    return module_group(model, _Sharded)
 
 
-def _copy_block_input(group):
-    """Forward pre-hook: the block's input (its first argument) through ``copy_to_tp``."""
+def map_first_input(fn):
+    """A forward pre-hook passing the module's first argument through ``fn``."""
 
     def hook(module, args):
-        return (copy_to_tp(args[0], group), *args[1:])
+        return (fn(args[0]), *args[1:])
 
     return hook
 
@@ -167,7 +172,7 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
                 setattr(block, lin, ColumnParallelLinear(getattr(block, lin), tp_group, copy_input=False))
             setattr(block, row, RowParallelLinear(getattr(block, row), tp_group))
             # One backward all-reduce per block (Megatron's f), not one per column-parallel linear.
-            block.register_forward_pre_hook(_copy_block_input(tp_group))
+            block.register_forward_pre_hook(map_first_input(lambda x: copy_to_tp(x, tp_group)))
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_group)
     model.lm_head = VocabParallelLMHead(model.lm_head, tp_group)
     if cfg.tie_word_embeddings:

@@ -33,8 +33,9 @@ backward frees activations: with one micro-batch per mini-batch they have not be
 and the optimizer step, ``params + grads + optimizer + optimizer_step``. With several micro-batches
 per mini-batch the gradients of the earlier ones are there at the later ones' backward:
 ``micro_batches > 1`` adds ``grads`` to the first moment. Sequence parallelism divides the tokens a rank
-holds by its size, but for RoPE's cos / sin (the whole micro-batch's on every rank). :func:`rollout_memory` counts the rollout engine: its weights and the KV cache
-of the sequences generated at once. ``benchmarks/bench_memory_model.py`` checks the training side
+holds by its size, but for RoPE's cos / sin (the whole micro-batch's on every rank).
+:func:`rollout_memory` counts the rollout engine: its weights and the KV cache of the sequences
+generated at once. ``benchmarks/bench_memory_model.py`` checks the training side
 against the peak measured on the CPU.
 
 Pipeline parallelism (``Parallel.pp`` ranks, ``vpp`` chunks each; :mod:`dapo_trainer.parallel.pipeline`)

@@ -33,8 +33,9 @@ backward frees activations: with one micro-batch per mini-batch they have not be
 and the optimizer step, ``params + grads + optimizer + optimizer_step``. With several micro-batches
 per mini-batch the gradients of the earlier ones are there at the later ones' backward:
 ``micro_batches > 1`` adds ``grads`` to the first moment. Sequence parallelism divides the tokens a rank
-holds by its size. :func:`rollout_memory` counts the rollout engine: its weights and the KV cache
-of the sequences generated at once. ``benchmarks/bench_memory_model.py`` checks the training side
+holds by its size, but for RoPE's cos / sin (the whole micro-batch's on every rank).
+:func:`rollout_memory` counts the rollout engine: its weights and the KV cache of the sequences
+generated at once. ``benchmarks/bench_memory_model.py`` checks the training side
 against the peak measured on the CPU.
 
 Pipeline parallelism (``Parallel.pp`` ranks, ``vpp`` chunks each; :mod:`dapo_trainer.parallel.pipeline`)
@@ -122,6 +123,7 @@ def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "
             - (0 if last else 3 * H * b) + (0 if last else H * b))
     kept -= layers * H * b if offload and checkpointing else 0
     activations = in_flight(pp, v, rank, micro_batches) * t * kept + (t * act["layer"] if checkpointing else 0)
+    activations += (tokens - t) * 2 * cfg.head_dim * b  # SP: the other ranks' rows of cos / sin
     rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
     largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp) / par.fsdp
     # FSDP2's unsharded units on this rank: its stage's root (embedding / norm + lm_head) and two layers.

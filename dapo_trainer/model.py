@@ -2,8 +2,11 @@
 
 One plain model file in the spirit of gpt-fast: parameter names follow Hugging Face
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ...) so checkpoints map one to one
-(:mod:`dapo_trainer.hf_io`), and tensor / sequence / data parallelism are applied afterwards by
-functions in :mod:`dapo_trainer.parallel` that swap modules in place or set their groups.
+(:mod:`dapo_trainer.hf_io`). The model knows no parallelism: :mod:`dapo_trainer.parallel` applies
+tensor / sequence / data / pipeline parallelism to a built model by replacing modules
+(``q_proj``, ``lm_head``, ``self_attn.inner_attention``, ...), registering hooks, or pruning it to
+a pipeline stage (``layers`` is a ModuleDict keyed by the global layer index, and a model without
+``embed_tokens`` / ``norm`` takes / returns hidden states).
 
 Every activation is packed: ``T`` tokens of ``B`` sequences laid end to end, described
 by ``cu_seqlens [B+1]`` int32 (flash-attn's varlen convention). Nothing is padded, so
@@ -16,16 +19,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dapo_kernels as dk
-from dapo_kernels.validation import INT_DTYPES, check_cu_seqlens, check_int, check_tensor
+from dapo_kernels.validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 from .offload import offload_scope
-from .parallel.collectives import copy_to_tp, gather_from_tp, heads_to_seq, seq_to_heads, sequence_shards
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -146,6 +147,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class VarlenAttention(nn.Module):
+    """Rotary embedding and causal attention over packed sequences: ``(q, k, v [T, heads, D], cos, sin
+    [T, D], cu_seqlens, max_seqlen) -> [T, q heads, D]``; no parameters (what sequence parallelism
+    replaces)."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int):
+        q, k = self.rotate(q, k, cos, sin)
+        return self.attend(q, k, v, cu_seqlens, max_seqlen)
+
+    def rotate(self, q, k, cos, sin):
+        """q and k rotated by position (``cos`` / ``sin``: one row per token of q and k)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, q, k, v, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        """Attention of rotated q, k: every query sees the keys of its sequence up to itself."""
+        return dk.varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=self.head_dim ** -0.5)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -155,22 +178,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=cfg.o_bias)
-        self.sp_group = None  # set by dapo_trainer.parallel.apply_sequence_parallel
+        self.inner_attention = VarlenAttention(D)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int, seq_shards=None):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
         T, D = x.shape[0], self.head_dim
-        # Head counts come from the weight shapes: under tensor parallelism each rank
-        # holds a contiguous slice of q heads and the kv heads they read.
-        q = apply_rope(self.q_proj(x).view(T, -1, D), cos, sin)
-        k = apply_rope(self.k_proj(x).view(T, -1, D), cos, sin)
-        v = self.v_proj(x).view(T, -1, D)
-        if seq_shards is not None:
-            # Ulysses: this rank's tokens of every head -> every token of this rank's heads, so
-            # attention sees whole sequences (cu_seqlens is the whole micro-batch's).
-            q, k, v = (seq_to_heads(t, self.sp_group, seq_shards) for t in (q, k, v))
-        o = dk.varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=D ** -0.5)
-        if seq_shards is not None:
-            o = heads_to_seq(o, self.sp_group, seq_shards)
+        # Head counts come from the weight shapes (a tensor-parallel rank holds a slice of the heads).
+        q, k, v = (proj(x).view(T, -1, D) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        o = self.inner_attention(q, k, v, cos, sin, cu_seqlens, max_seqlen)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -197,9 +211,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int, seq_shards=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, seq_shards)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LMHead(nn.Linear):
+    """The vocabulary projection ``[V, H]``: ``forward`` gives full logits, :meth:`log_probs` the
+    fused log-probs of labels (never materialising ``[T, V]``)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def log_probs(self, hidden, labels, *, temperature: float = 1.0, return_entropy: bool = False):
+        return dk.linear_log_probs(hidden, self.weight, labels, temperature=temperature,
+                                   return_entropy=return_entropy)
 
 
 # --------------------------------------------------------------------------- model
@@ -210,27 +236,24 @@ class Transformer(nn.Module):
     final norm; the vocabulary projection ``lm_head.weight [V, H]`` is applied by
     :meth:`log_probs` (fused, never materialising ``[T, V]``) or :meth:`logits`.
 
-    Attributes set by :mod:`dapo_trainer.parallel`: ``tp_group`` (None when not tensor
-    parallel), ``sp_group`` (None when not sequence parallel; else :meth:`forward` returns
-    this rank's contiguous shard of the tokens, ``parallel.shard_sequence``).
     ``activation_checkpointing`` recomputes each layer in backward; ``activation_offload``
     (an :class:`~dapo_trainer.offload.ActivationOffload`, or None) keeps the checkpointed
     layers' inputs in host memory between forward and backward.
+    A pruned model (a pipeline stage) may lack ``embed_tokens`` (it then takes hidden states),
+    ``norm`` and ``lm_head`` (it returns the last layer's output), and hold some layers only.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.activation_checkpointing = False
         self.activation_offload = None
-        self.tp_group = None
-        self.sp_group = None
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> "Transformer":
@@ -254,16 +277,19 @@ class Transformer(nn.Module):
         """Hidden states of packed sequences.
 
         Args:
-            input_ids: ``[T]`` integer token ids of all sequences laid end to end.
+            input_ids: ``[T]`` integer token ids of all sequences laid end to end; without
+                ``embed_tokens``, the hidden states ``[T, hidden_size]`` entering the first layer held.
             cu_seqlens: ``[B+1]`` int32/int64, ``cu_seqlens[-1] == T``.
             max_seqlen: longest sequence length (int).
             position_ids: ``[T]`` integer; default: 0, 1, ... restarting at each sequence.
         Returns:
-            ``[T, hidden_size]`` in the parameters' dtype, after the final RMSNorm; under
-            sequence parallelism ``[T_r, hidden_size]``, this rank's shard of the tokens
-            (every rank of ``sp_group`` passes the same whole micro-batch).
+            ``[T, hidden_size]`` in the parameters' dtype, after the final RMSNorm (without
+            ``norm``: after the last layer held).
         """
-        check_tensor("input_ids", input_ids, ndim=1, dtypes=INT_DTYPES)
+        if self.embed_tokens is None:
+            check_tensor("input_ids", input_ids, ndim=2, dtypes=FLOAT_DTYPES)
+        else:
+            check_tensor("input_ids", input_ids, ndim=1, dtypes=INT_DTYPES)
         T = input_ids.shape[0]
         check_cu_seqlens(cu_seqlens, T, device=input_ids.device)
         max_seqlen = check_int("max_seqlen", max_seqlen, minimum=0)
@@ -271,25 +297,19 @@ class Transformer(nn.Module):
             position_ids = dk.packed_position_ids(cu_seqlens, T)
         else:
             check_tensor("position_ids", position_ids, dtypes=INT_DTYPES, device=input_ids.device, shape=(T,))
-        shards = None
-        if self.sp_group is not None:  # this rank's tokens; attention exchanges them for heads
-            shards, start = sequence_shards(T, self.sp_group)
-            rank_tokens = shards[dist.get_rank(self.sp_group)]
-            input_ids = input_ids.narrow(0, start, rank_tokens)
-            position_ids = position_ids.narrow(0, start, rank_tokens)
 
-        h = self.embed_tokens(input_ids)
+        h = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, h.dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         # Offload acts on what the checkpoints save: each layer's input (the layer's own
         # activations are recomputed, not saved).
         with offload_scope(self.activation_offload if recompute else None):
-            for layer in self.layers:
+            for layer in self.layers.values():
                 if recompute:
-                    h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, shards, use_reentrant=False)
+                    h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
                 else:
-                    h = layer(h, cos, sin, cu_seqlens, max_seqlen, shards)
-        return self.norm(h)
+                    h = layer(h, cos, sin, cu_seqlens, max_seqlen)
+        return h if self.norm is None else self.norm(h)
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Padded batch in, padded hidden states out: ``[B, S]`` -> ``[B, S, H]``.
@@ -298,12 +318,13 @@ class Transformer(nn.Module):
         (as zeros) with ``dk.pad_input``, so only real tokens are computed.
         """
         check_tensor("input_ids", input_ids, ndim=2, dtypes=INT_DTYPES)
-        if self.sp_group is not None:
-            raise ValueError("forward_padded: a sequence-parallel model returns a shard of the packed tokens, "
-                             "which cannot be padded back; call forward on packed tokens")
         B, S = input_ids.shape
         ids, indices, cu_seqlens, max_seqlen, _ = dk.unpad_input(input_ids.unsqueeze(-1), attention_mask)
         hidden = self(ids.squeeze(-1), cu_seqlens, max_seqlen)
+        if hidden.shape[0] != ids.shape[0]:
+            raise ValueError(f"forward_padded: the model returned {hidden.shape[0]} of the {ids.shape[0]} tokens "
+                             "(a sequence-parallel model returns its shard), which cannot be padded back; "
+                             "call forward on packed tokens")
         return dk.pad_input(hidden, indices, B, S)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -311,11 +332,7 @@ class Transformer(nn.Module):
 
         Training should use :meth:`log_probs`, which never materialises them.
         """
-        if self.tp_group is None:
-            return F.linear(hidden, self.lm_head.weight)
-
-        local = F.linear(copy_to_tp(hidden, self.tp_group), self.lm_head.weight)
-        return gather_from_tp(local, self.tp_group)
+        return self.lm_head(hidden)
 
     def log_probs(
         self,
@@ -327,10 +344,7 @@ class Transformer(nn.Module):
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``log softmax(hidden @ lm_head.weight.T / temperature)[labels]``: ``[T]`` float32.
 
-        Through the fused ``dk.linear_log_probs`` (vocab-parallel over ``tp_group`` when
-        the model is tensor parallel). Returns ``(log_prob, entropy or None)``.
+        Through the fused ``dk.linear_log_probs`` (``lm_head.log_probs``). Returns
+        ``(log_prob, entropy or None)``.
         """
-        return dk.linear_log_probs(
-            hidden, self.lm_head.weight, labels,
-            temperature=temperature, return_entropy=return_entropy, process_group=self.tp_group,
-        )
+        return self.lm_head.log_probs(hidden, labels, temperature=temperature, return_entropy=return_entropy)

@@ -1,5 +1,5 @@
-"""Parallelism applied to a built model by functions: tensor (Megatron), sequence (Ulysses) and
-data (FSDP2 / DDP).
+"""Parallelism applied to a built model by functions: tensor (Megatron), sequence (Ulysses),
+pipeline and data (FSDP2 / DDP).
 
 Typical multi-node setup (launched by ``torchrun``)::
 
@@ -9,20 +9,16 @@ Typical multi-node setup (launched by ``torchrun``)::
     parallelize(model, mesh["tp"].get_group())
     apply_fsdp(model, mesh["dp"], param_dtype=torch.bfloat16)
 """
-# Names resolve on first use (PEP 562): importing the leaf parallel.collectives, as the model
-# does, must not import parallel.tensor, which imports the model.
-_EXPORTS = {
-    "apply_ddp": "data", "apply_fsdp": "data", "balanced_dp_split": "data", "global_mean_scale": "data",
-    "sp_micro_batches": "data",
-    "collective_device": "collectives", "backend_for_device": "dist", "init_distributed": "dist", "make_mesh": "dist",
-    "ColumnParallelLinear": "tensor", "RowParallelLinear": "tensor", "VocabParallelEmbedding": "tensor",
-    "full_state_dict": "tensor", "parallelize": "tensor", "tp_shard_dims": "tensor", "unshard": "tensor",
-    "apply_sequence_parallel": "sequence", "shard_sequence": "sequence",
-    "ParallelDims": "dims", "parallelize_model": "dims",
-    "apply_pipeline": "pipeline", "build_pipeline": "pipeline", "pipeline_state_dict": "pipeline",
-    "tied_grad_sync": "pipeline", "stage_keep": "pipeline", "tied_parameter": "pipeline",
-    "clip_grad_norm": "grads",
-}
+from .collectives import collective_device
+from .data_parallel import apply_ddp, apply_fsdp, balanced_dp_split, global_mean_scale, sp_micro_batches
+from .dims import ParallelDims, parallelize_model
+from .dist import backend_for_device, init_distributed, make_mesh
+from .grads import clip_grad_norm
+from .pipeline import (apply_pipeline, build_pipeline, pipeline_state_dict, stage_keep, tied_grad_sync,
+                       tied_parameter)
+from .sequence import apply_sequence_parallel, sequence_parallel_group, shard_sequence
+from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead,
+                     full_state_dict, parallelize, tensor_parallel_group, tp_shard_dims, unshard)
 
 __all__ = [
     "ParallelDims",
@@ -35,7 +31,9 @@ __all__ = [
     "tied_grad_sync",
     "stage_keep",
     "parallelize",
+    "tensor_parallel_group",
     "apply_sequence_parallel",
+    "sequence_parallel_group",
     "shard_sequence",
     "apply_fsdp",
     "apply_ddp",
@@ -52,18 +50,5 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "VocabParallelLMHead",
 ]
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_EXPORTS))

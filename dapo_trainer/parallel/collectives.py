@@ -1,8 +1,7 @@
 """Autograd collectives of tensor (Megatron) and sequence (DeepSpeed-Ulysses) parallelism: a leaf module.
 
-It imports nothing of ``dapo_trainer``, so the model can call these while
-:mod:`dapo_trainer.parallel.tensor` (which imports the model) applies the sharding:
-``parallel/`` imports the model, never the reverse.
+It imports nothing of ``dapo_trainer``; the parallel modules of :mod:`~dapo_trainer.parallel.tensor`
+and :mod:`~dapo_trainer.parallel.sequence` call these, and the rollout samplers too.
 """
 from __future__ import annotations
 

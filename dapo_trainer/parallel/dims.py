@@ -11,6 +11,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .collectives import collective_device
+from .data_parallel import apply_fsdp
+from .dist import make_mesh
+from .pipeline import apply_pipeline
+from .sequence import apply_sequence_parallel
+from .tensor import parallelize
+
 
 @dataclass
 class ParallelDims:
@@ -104,9 +111,6 @@ class ParallelDims:
                 "processes")
         dims = cls(world=world, rank=rank, dp=dp, sp=sp, tp=tp, comm_device=device, pp=pp, vpp=vpp)
         if world > 1:
-            from .collectives import collective_device
-            from .dist import make_mesh
-
             mesh = make_mesh(device, tp=tp, sp=sp, pp=pp)
             if pp > 1:
                 dims.pp_group = mesh["pp"].get_group()
@@ -126,20 +130,12 @@ def parallelize_model(model, dims: ParallelDims, *, fsdp: bool):
     FSDP2 over the gradient ranks when ``fsdp`` (a trainable model under ``actor.strategy=fsdp2``);
     returns it."""
     if dims.tp > 1:
-        from .tensor import parallelize
-
         parallelize(model, dims.tp_group)
     if dims.sp > 1:
-        from .sequence import apply_sequence_parallel
-
         apply_sequence_parallel(model, dims.sp_group)
     if dims.pp > 1:  # this rank's stages (model.pipeline_chunks), each its own FSDP2 root
-        from .pipeline import apply_pipeline
-
         return apply_pipeline(model, dims, fsdp=fsdp)
     if fsdp and dims.grad_ranks > 1:
-        from .data import apply_fsdp
-
         apply_fsdp(model, dims.grad_mesh)
     return model
 

@@ -6,7 +6,8 @@ placement, which ``ScheduleInterleaved1F1B`` expects); the first stage holds the
 the final norm and ``lm_head`` (with tied embeddings a copy of the embedding, its gradient summed
 with the first stage's over ``tied_group``). The model is pruned in place to this rank's modules,
 their names unchanged (``layers.{i}.*`` keeps the layer's global index), so its ``state_dict`` is a
-subset of the HF checkpoint's.
+subset of the HF checkpoint's. Each stage is a Transformer pruned further to the stage's modules
+(shared with the model), run by the model's own forward.
 
 :class:`Pipeline` runs packed varlen micro-batches through ``PipelineStage`` + ``Schedule1F1B`` /
 ``ScheduleInterleaved1F1B``: every micro-batch padded to the same token count (the cap: stage
@@ -22,12 +23,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-import dapo_kernels as dk
-
-from ..model import ModelConfig, Transformer, rope_cos_sin
-from ..offload import offload_scope
+from ..model import ModelConfig, Transformer
+from .data_parallel import apply_ddp
+from .tensor import full_state_dict
 
 PP_KEY = "actor_rollout_ref.actor.pipeline_model_parallel_size"
 VPP_KEY = "actor_rollout_ref.actor.virtual_pipeline_model_parallel_size"
@@ -44,36 +43,26 @@ def stage_layers(num_layers: int, pp: int, v: int = 1) -> List[range]:
     return [range(s * per, (s + 1) * per) for s in range(n)]
 
 
-class StageChunk(nn.Module):
-    """One pipeline stage of a Transformer: ``forward(x, cu_seqlens, max_seqlen)`` takes token ids
-    (first stage) or hidden states ``[T, H]``, returns hidden states (after the final norm on the
-    last stage). ``cu_seqlens`` ``[1, L]`` and ``max_seqlen`` ``[1]`` are the micro-batch's row of
-    the schedule's keyword arguments (split along dim 0)."""
+def _stage_inputs(module, args, kwargs):
+    """Forward pre-hook of a stage: the schedule's rows of one micro-batch (``cu_seqlens [1, L]``,
+    ``max_seqlen [1]``) as the model's arguments (``[L]``, an int)."""
+    bound = {**dict(zip(("input_ids", "cu_seqlens", "max_seqlen"), args)), **kwargs}
+    return (bound["input_ids"], bound["cu_seqlens"].reshape(-1), int(bound["max_seqlen"].reshape(-1)[0])), {}
 
-    def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool):
-        super().__init__()
-        self.first, self.last, self.cfg = first, last, model.config
-        self.embed_tokens = model.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] if isinstance(model.layers, nn.ModuleDict)
-                                     else model.layers[i] for i in layers})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.owner = [model]  # (a list: not a submodule) checkpointing / offload settings are the model's
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: torch.Tensor) -> torch.Tensor:
-        cu, msl = cu_seqlens.reshape(-1), int(max_seqlen.reshape(-1)[0])
-        T = x.shape[0]
-        h = self.embed_tokens(x) if self.first else x
-        cos, sin = rope_cos_sin(self.cfg, dk.packed_position_ids(cu, T), h.dtype)
-        model = self.owner[0]
-        recompute = model.activation_checkpointing and torch.is_grad_enabled()
-        with offload_scope(model.activation_offload if recompute else None):
-            for layer in self.layers.values():
-                if recompute:
-                    h = checkpoint(layer, h, cos, sin, cu, msl, None, use_reentrant=False)
-                else:
-                    h = layer(h, cos, sin, cu, msl)
-        return self.norm(h) if self.last else h
+def stage_model(model: Transformer, layers: range, *, first: bool, last: bool) -> Transformer:
+    """One pipeline stage: a Transformer of ``model``'s own modules (``layers`` under their global
+    indices, the embedding on the first stage, the final norm and ``lm_head`` on the last) with its
+    checkpointing / offload settings. It takes token ids (first stage) or hidden states ``[T, H]``
+    and the schedule's rows of ``cu_seqlens`` / ``max_seqlen``; returns hidden states."""
+    with torch.device("meta"):  # a shell whose modules are replaced by the model's below
+        stage = type(model)(model.config)
+    stage.embed_tokens = model.embed_tokens if first else None
+    stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    stage.norm, stage.lm_head = (model.norm, model.lm_head) if last else (None, None)
+    stage.activation_checkpointing, stage.activation_offload = model.activation_checkpointing, model.activation_offload
+    stage.register_forward_pre_hook(_stage_inputs, with_kwargs=True)
+    return stage
 
 
 def stage_keep(pp_rank: int, pp: int, v: int = 1) -> Optional[Callable[[ModelConfig, str], bool]]:
@@ -97,7 +86,7 @@ def stage_keep(pp_rank: int, pp: int, v: int = 1) -> Optional[Callable[[ModelCon
     return keep
 
 
-def split_model(model: Transformer, pp_rank: int, pp: int, v: int = 1) -> List[StageChunk]:
+def split_model(model: Transformer, pp_rank: int, pp: int, v: int = 1) -> List[Transformer]:
     """This rank's stages of ``model`` (stage indices ``pp_rank + k * pp``), the model pruned in
     place to their modules (those of other stages may be on the meta device: :func:`stage_keep`).
     Tied embeddings: the last stage's ``lm_head.weight`` becomes its own parameter."""
@@ -109,13 +98,13 @@ def split_model(model: Transformer, pp_rank: int, pp: int, v: int = 1) -> List[S
         # pp > 1: this rank does not hold stage 0, so the embedding is dropped below and the
         # storage need not be copied.
         model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach())
-    owned = nn.ModuleDict({str(i): model.layers[i] for s in mine for i in ranges[s]})
+    owned = nn.ModuleDict({str(i): model.layers[str(i)] for s in mine for i in ranges[s]})
     model.layers = owned
     if 0 not in mine:
         model.embed_tokens = None
     if n - 1 not in mine:
         model.norm = model.lm_head = None
-    return [StageChunk(model, ranges[s], first=s == 0, last=s == n - 1) for s in mine]
+    return [stage_model(model, ranges[s], first=s == 0, last=s == n - 1) for s in mine]
 
 
 def apply_pipeline(model: Transformer, dims, *, fsdp: bool) -> Transformer:
@@ -140,8 +129,6 @@ def build_pipeline(model: Transformer, dims, *, ddp: bool, max_seqs: int) -> "Pi
     chunks = model.pipeline_chunks
     modules = list(chunks)
     if ddp:
-        from .data import apply_ddp
-
         modules = [apply_ddp(c, dims.grad_group) for c in chunks]
     p = next(model.parameters())
     return Pipeline(chunks, modules, pp_rank=dims.pp_rank, pp=dims.pp, v=dims.vpp, group=dims.pp_group,
@@ -165,12 +152,12 @@ class Pipeline:
     loss (``train``) or anything.
     """
 
-    def __init__(self, chunks: List[StageChunk], modules: List[nn.Module], *, pp_rank: int, pp: int, v: int,
+    def __init__(self, chunks: List[Transformer], modules: List[nn.Module], *, pp_rank: int, pp: int, v: int,
                  group, device: torch.device, max_seqs: int, hidden_size: int, dtype: torch.dtype):
         self.chunks, self.modules = chunks, modules  # modules: the chunks as the stages run them (DDP / FSDP)
         self.pp_rank, self.pp, self.v, self.group, self.device = pp_rank, pp, v, group, device
         self.max_seqs, self.hidden_size, self.dtype = max_seqs, hidden_size, dtype
-        self.is_last = any(c.last for c in chunks)
+        self.is_last = pp_rank == pp - 1
         self._schedules: Dict[Tuple[int, int, bool], object] = {}
         self._hook: Optional[Callable] = None
 
@@ -220,8 +207,7 @@ class Pipeline:
         self._hook = on_output
         sched = self._schedule(m, cap, train)
         target = torch.arange(m)
-        first = any(c.first for c in self.chunks)
-        args = (ids,) if first else ()
+        args = (ids,) if self.pp_rank == 0 else ()
         try:
             if train:
                 sched.step(*args, cu_seqlens=cus, max_seqlen=msl, target=target, return_outputs=False)
@@ -245,8 +231,6 @@ def pipeline_state_dict(model: Transformer, dims) -> dict:
     """The whole model's unsharded ``state_dict`` on every rank (collective): each stage's
     (:func:`~.tensor.full_state_dict`: TP and FSDP2 shards gathered) all-gathered over the
     pipeline group; HF names, as without PP."""
-    from .tensor import full_state_dict
-
     local = {k: v.cpu() for k, v in full_state_dict(model).items()}
     parts = [None] * dims.pp
     dist.all_gather_object(parts, local, group=dims.pp_group)

@@ -9,7 +9,10 @@ micro-batch's ``cu_seqlens``, and one all-to-all turns the output back (backward
 exchanges). With fewer KV heads than ranks (GQA) each rank gets a copy of the KV head its
 query heads read.
 
-The model then returns this rank's shard of the hidden states; labels, masks and advantages
+Applied as module replacement and a hook: each layer's ``self_attn.inner_attention`` becomes a
+:class:`UlyssesAttention` around it (rotary tables of the whole micro-batch in, this rank's rows
+used), and a forward pre-hook on ``embed_tokens`` keeps this rank's tokens. The model then
+returns this rank's shard of the hidden states; labels, masks and advantages
 are sharded alike with :func:`shard_sequence` and the loss of each rank covers its tokens. A
 token mean stays exact when every rank divides by the micro-batch's (or mini-batch's) global
 token count, and the parameters' gradients are summed over ``sp_group`` (a data-parallel
@@ -20,10 +23,34 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..model import Transformer
-from .collectives import sequence_shards
-from .tensor import check_not_yet
+from .collectives import heads_to_seq, seq_to_heads, sequence_shards
+from .tensor import check_not_yet, map_first_input, module_group, tensor_parallel_group
+
+
+class UlyssesAttention(nn.Module):
+    """The wrapped attention (``inner``, a :class:`~dapo_trainer.model.VarlenAttention`) on this
+    rank's tokens: q, k, v ``[T_r, heads, D]`` rotated with this rank's rows of the micro-batch's
+    ``cos`` / ``sin`` ``[T, D]``, exchanged for every token of ``heads / n`` heads, attended over the
+    whole sequences of ``cu_seqlens``, and exchanged back to ``[T_r, heads, D]``."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int):
+        shards, start = sequence_shards(cos.shape[0], self.group)
+        cos, sin = cos.narrow(0, start, q.shape[0]), sin.narrow(0, start, q.shape[0])
+        q, k = self.inner.rotate(q, k, cos, sin)
+        q, k, v = (seq_to_heads(t, self.group, shards) for t in (q, k, v))
+        return heads_to_seq(self.inner.attend(q, k, v, cu_seqlens, max_seqlen), self.group, shards)
+
+
+def sequence_parallel_group(model: nn.Module):
+    """The group :func:`apply_sequence_parallel` made ``model`` sequence parallel over; None if not."""
+    return module_group(model, UlyssesAttention)
 
 
 def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
@@ -32,8 +59,8 @@ def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
     ``num_heads`` must divide by the group size ``n``, and ``num_kv_heads`` divide by it or
     divide it (ValueError otherwise). Not combined with tensor parallelism here (ValueError).
     """
-    check_not_yet(model, "sp_group", "sequence")
-    if model.tp_group is not None:
+    check_not_yet(model, "sp_group", "sequence", sequence_parallel_group(model))
+    if tensor_parallel_group(model) is not None:
         raise ValueError("model: sequence parallelism on a tensor-parallel model is not supported")
     n, cfg = dist.get_world_size(sp_group), model.config
     if cfg.num_heads % n:
@@ -43,9 +70,10 @@ def apply_sequence_parallel(model: Transformer, sp_group) -> Transformer:
                          f"sequence-parallel size {n}")
     if n == 1:
         return model
-    for layer in model.layers:
-        layer.self_attn.sp_group = sp_group
-    model.sp_group = sp_group
+    for layer in model.layers.values():
+        attn = layer.self_attn
+        attn.inner_attention = UlyssesAttention(attn.inner_attention, sp_group)
+    model.embed_tokens.register_forward_pre_hook(map_first_input(lambda ids: shard_sequence(ids, sp_group)))
     return model
 
 

@@ -8,7 +8,7 @@ module                     becomes                         weight kept on rank r
 q/k/v_proj, gate/up_proj   :class:`ColumnParallelLinear`   output rows (heads / ffn units) r
 o_proj, down_proj          :class:`RowParallelLinear`      input columns r, bias replicated
 embed_tokens               :class:`VocabParallelEmbedding` vocabulary rows r
-lm_head                    weight sharded by vocab rows    vocabulary rows r (same rows as the
+lm_head                    :class:`VocabParallelLMHead`    vocabulary rows r (same rows as the
                                                            embedding, so tying survives)
 =========================  ==============================  =====================================
 
@@ -17,8 +17,9 @@ Megatron's conjugate operators f / g: the block's input passes through ``copy_to
 (identity forward, all-reduce backward) once, shared by q/k/v (gate/up), and the row-parallel
 output through ``reduce_from_tp`` (all-reduce forward, identity backward). Norms and residuals
 stay replicated; their gradients come out identical on every rank.
-The vocabulary-parallel lm_head is consumed by ``dk.linear_log_probs(...,
-process_group=tp_group)`` (see :meth:`Transformer.log_probs`).
+The vocabulary-parallel lm_head gives the logits gathered over the group and the log-probs
+through ``dk.linear_log_probs(..., process_group=tp_group)`` (:meth:`Transformer.log_probs`).
+The parallel modules hold the group: :func:`tensor_parallel_group` reads it back from a model.
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import dapo_kernels as dk
+
 from ..model import Transformer
-from .collectives import copy_to_tp, reduce_from_tp
+from .collectives import copy_to_tp, gather_from_tp, reduce_from_tp
 
 
 # --------------------------------------------------------------------------- parallel modules
@@ -101,24 +104,48 @@ class VocabParallelEmbedding(_Sharded):
         return reduce_from_tp(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
+class VocabParallelLMHead(_Sharded):
+    """The vocabulary projection with rows ``[start, start + V/tp)`` on this rank: logits gathered
+    over the group, log-probs vocabulary-parallel (one fused op, never the ``[T, V]`` logits)."""
+
+    shard_dim = 0
+
+    def forward(self, hidden):
+        return gather_from_tp(F.linear(copy_to_tp(hidden, self.group), self.weight), self.group)
+
+    def log_probs(self, hidden, labels, *, temperature: float = 1.0, return_entropy: bool = False):
+        return dk.linear_log_probs(hidden, self.weight, labels, temperature=temperature,
+                                   return_entropy=return_entropy, process_group=self.group)
+
+
 # --------------------------------------------------------------------------- parallelize
-def _copy_block_input(group):
-    """Forward pre-hook: the block's input (its first argument) through ``copy_to_tp``."""
+def module_group(model: nn.Module, kind: type):
+    """The ``group`` of ``model``'s first submodule of type ``kind`` (a parallel module); None without one."""
+    return next((m.group for m in model.modules() if isinstance(m, kind)), None)
+
+
+def tensor_parallel_group(model: nn.Module):
+    """The group ``model``'s weights are sharded over by :func:`parallelize`; None if not tensor parallel."""
+    return module_group(model, _Sharded)
+
+
+def map_first_input(fn):
+    """A forward pre-hook passing the module's first argument through ``fn``."""
 
     def hook(module, args):
-        return (copy_to_tp(args[0], group), *args[1:])
+        return (fn(args[0]), *args[1:])
 
     return hook
 
 
-def check_not_yet(model: Transformer, group_attr: str, kind: str) -> None:
-    """TypeError unless ``model`` is a Transformer; ValueError without torch.distributed or when
-    ``model.<group_attr>`` says it is already ``kind`` parallel."""
+def check_not_yet(model: Transformer, group_arg: str, kind: str, group) -> None:
+    """TypeError unless ``model`` is a Transformer; ValueError without torch.distributed or when its
+    ``kind`` parallel ``group`` is already set."""
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a dapo_trainer Transformer, got {type(model).__name__}")
     if not dist.is_initialized():
-        raise ValueError(f"{group_attr}: torch.distributed is not initialised")
-    if getattr(model, group_attr) is not None:
+        raise ValueError(f"{group_arg}: torch.distributed is not initialised")
+    if group is not None:
         raise ValueError(f"model is already {kind} parallel")
 
 
@@ -129,7 +156,7 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
     the checkpoint on each rank, or broadcast). Head counts, the intermediate size and
     the vocabulary must divide by the group size (ValueError otherwise).
     """
-    check_not_yet(model, "tp_group", "tensor")
+    check_not_yet(model, "tp_group", "tensor", tensor_parallel_group(model))
     tp = dist.get_world_size(tp_group)
     cfg = model.config
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
@@ -137,7 +164,7 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
             raise ValueError(f"{name} ({getattr(cfg, name)}) must be divisible by the tensor-parallel size {tp}")
     if tp == 1:
         return model
-    for layer in model.layers:
+    for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
         for block, cols, row in ((attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
                                  (mlp, ("gate_proj", "up_proj"), "down_proj")):
@@ -145,18 +172,16 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
                 setattr(block, lin, ColumnParallelLinear(getattr(block, lin), tp_group, copy_input=False))
             setattr(block, row, RowParallelLinear(getattr(block, row), tp_group))
             # One backward all-reduce per block (Megatron's f), not one per column-parallel linear.
-            block.register_forward_pre_hook(_copy_block_input(tp_group))
+            block.register_forward_pre_hook(map_first_input(lambda x: copy_to_tp(x, tp_group)))
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp_group)
+    model.lm_head = VocabParallelLMHead(model.lm_head, tp_group)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    else:
-        model.lm_head.weight = _shard(model.lm_head.weight, 0, tp_group)
-    model.tp_group = tp_group
     return model
 
 
 def tp_shard_dims(model: Transformer) -> dict:
-    """{parameter name: dim it is sharded along over ``model.tp_group``}; absent = replicated."""
+    """{parameter name: dim it is sharded along over :func:`tensor_parallel_group`}; absent = replicated."""
     dims = {}
     for mod_name, mod in model.named_modules():
         if not isinstance(mod, _Sharded):
@@ -164,8 +189,6 @@ def tp_shard_dims(model: Transformer) -> dict:
         dims[f"{mod_name}.weight"] = mod.shard_dim
         if isinstance(mod, ColumnParallelLinear) and mod.bias is not None:
             dims[f"{mod_name}.bias"] = 0
-    if model.tp_group is not None:
-        dims["lm_head.weight"] = 0
     return dims
 
 
@@ -189,5 +212,5 @@ def full_state_dict(model: Transformer) -> dict:
 
     What :func:`dapo_trainer.hf_io.save_hf_model` needs; call it on every rank, save on one.
     """
-    dims = tp_shard_dims(model)
-    return {name: unshard(t, dims.get(name), model.tp_group).detach() for name, t in model.state_dict().items()}
+    dims, group = tp_shard_dims(model), tensor_parallel_group(model)
+    return {name: unshard(t, dims.get(name), group).detach() for name, t in model.state_dict().items()}

@@ -38,6 +38,7 @@ import dapo_kernels as dk
 
 from ..model import Transformer, apply_rope, rope_cos_sin
 from ..parallel.collectives import collective_device, gather_from_tp
+from ..parallel.tensor import tensor_parallel_group
 from .base import (FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput,
                    check_generate_args)
 
@@ -192,7 +193,7 @@ def _fsdp_group(model: Transformer):
     """The data-parallel group of an FSDP2-sharded model (its layers' mesh); None if not sharded."""
     from torch.distributed.tensor import DTensor
 
-    w = next(model.layers[0].parameters(), None) if len(model.layers) else None
+    w = next(next(iter(model.layers.values())).parameters(), None) if len(model.layers) else None
     return w.device_mesh.get_group() if isinstance(w, DTensor) else None
 
 
@@ -266,6 +267,7 @@ class EmbeddedRollout(RolloutEngine):
         dev = model.lm_head.weight.device
         keys = request_keys(_resolve_seed(seed), len(prompts) * n, start=prompt_offset * n).to(dev)
         w_out = model.lm_head.weight.float()
+        tp_group = tensor_parallel_group(model)
         rec = _Recorder(len(keys), max_new_tokens, stops)
 
         last_hidden, caches, lengths = self._prefill(prompts, max_new_tokens)
@@ -280,7 +282,7 @@ class EmbeddedRollout(RolloutEngine):
             n_live = 0
             if len(rows):  # none only in lockstep, once this rank's responses have finished
                 logits = F.linear(h.float(), w_out)
-                tok, lp = sample_tokens(logits, keys[rows.to(dev)], step, temperature, top_p, model.tp_group)
+                tok, lp = sample_tokens(logits, keys[rows.to(dev)], step, temperature, top_p, tp_group)
                 live = ~rec.record(rows, step, tok.cpu(), lp.cpu())
                 n_live = int(live.sum())
             if step + 1 == max_new_tokens or self._all_done(n_live, dev):
@@ -313,7 +315,7 @@ class EmbeddedRollout(RolloutEngine):
         h = model.embed_tokens(ids)
         cos, sin = rope_cos_sin(cfg, pos_ids, h.dtype)
         caches = []
-        for layer in model.layers:
+        for layer in model.layers.values():
             with _gathered(layer):
                 attn = layer.self_attn
                 x = layer.input_layernorm(h)
@@ -348,7 +350,7 @@ class EmbeddedRollout(RolloutEngine):
         cos, sin = rope_cos_sin(model.config, pos, h.dtype)
         masked = torch.arange(width, device=tok.device)[None, :] > pos[:, None]
         bias = torch.zeros(N, width, dtype=h.dtype, device=h.device).masked_fill_(masked, float("-inf"))
-        for layer, (ck, cv) in zip(model.layers, caches):
+        for layer, (ck, cv) in zip(model.layers.values(), caches):
             with _gathered(layer):
                 attn = layer.self_attn
                 D = attn.head_dim
@@ -367,7 +369,7 @@ class EmbeddedRollout(RolloutEngine):
         return model.norm(h)
 
     def _join_layer_gathers(self) -> None:
-        for layer in self.model.layers:
+        for layer in self.model.layers.values():
             with _gathered(layer):
                 pass
 

@@ -52,13 +52,13 @@ def hf_weights(model: Transformer) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` of every weight of ``model``, gathered one at a time when it is
     tensor parallel or FSDP2-sharded (collective: every rank of its groups iterates it whole).
     A tied lm_head is left out, as in an HF checkpoint."""
-    from ..parallel import tp_shard_dims, unshard
+    from ..parallel import tensor_parallel_group, tp_shard_dims, unshard
 
-    dims = tp_shard_dims(model)
+    dims, group = tp_shard_dims(model), tensor_parallel_group(model)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        yield hf_name(name), unshard(t, dims.get(name), model.tp_group).detach()
+        yield hf_name(name), unshard(t, dims.get(name), group).detach()
 
 
 def _load_weights(worker, weights) -> None:

@@ -26,6 +26,7 @@ from dapo_trainer.parallel import (
     global_mean_scale,
     make_mesh,
     parallelize,
+    tensor_parallel_group,
     tp_shard_dims,
     unshard,
 )
@@ -107,7 +108,7 @@ def _run_scenario(name: str, scenario: str, ids_list, workdir: str, group) -> di
     if dp_group is not None:
         dist.all_reduce(totals, group=dp_group)
     dims = tp_shard_dims(model)
-    grads = {n: unshard(p.grad, dims.get(n), model.tp_group) for n, p in model.named_parameters()}
+    grads = {n: unshard(p.grad, dims.get(n), tensor_parallel_group(model)) for n, p in model.named_parameters()}
     return dict(idx=idx, logits=_split_rows(logits, cu), log_prob=_split_rows(log_prob, cu, drop_last=True),
                 loss=(totals[0] / totals[1]).item(), grads=grads,
                 master_dtypes={p.dtype for p in model.parameters()})

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dapo_trainer.config import load_config
-from dapo_trainer.parallel import tp_shard_dims, unshard
+from dapo_trainer.parallel import tensor_parallel_group, tp_shard_dims, unshard
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.parallel.pipeline import split_model, stage_keep, stage_layers
 from dapo_trainer.memory_model import stage_params
@@ -88,8 +88,8 @@ def _run(overrides) -> dict:
     metrics = trainer.train_step()
     weights = {k: v.detach().clone() for k, v in trainer.full_state().items()}
     # This rank's gradients after the step's last backward (clipped), unsharded over TP / FSDP2.
-    model, shard_dims = trainer.model, tp_shard_dims(trainer.model)
-    grads = {n: unshard(p.grad, shard_dims.get(n), model.tp_group).clone() for n, p in model.named_parameters()}
+    model, shard_dims, tp_group = trainer.model, tp_shard_dims(trainer.model), tensor_parallel_group(trainer.model)
+    grads = {n: unshard(p.grad, shard_dims.get(n), tp_group).clone() for n, p in model.named_parameters()}
     return {"metrics": metrics, "batch": batches[0], "weights": weights, "initial": initial, "grads": grads,
             "replica": {k: v.detach().clone() for k, v in trainer.rollout_model.state_dict().items()}}
 

@@ -57,7 +57,7 @@ def apply_fsdp(
     device_type = next(model.parameters()).device.type
     mesh = _as_mesh(dp_mesh, device_type)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in model.layers:
+    for layer in model.layers.values():
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model

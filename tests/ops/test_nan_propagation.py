@@ -135,7 +135,7 @@ def _spec(case: OpCase, args: Dict, clean: Dict, name: str, idx, where: str) -> 
         spec = {"out.0": (mask_of("out.0", True), None)}
         if name == "rollout_is_weights":  # the pg term and the token's own gradient only; metrics untouched
             spec = {k: (None, mask_of(k, True)) for k in clean if k.startswith("out.1.") and k != "out.1.pg_loss"}
-            spec.update({"out.0": (mask_of("out.0", True), None), "out.1.pg_loss": (mask_of("out.1.pg_loss", True), None)})
+            spec.update({k: (mask_of(k, True), None) for k in ("out.0", "out.1.pg_loss")})
         if token is not None:
             other = mask_of("dhidden", True)
             other[token] = False

@@ -105,25 +105,34 @@ def _linear():
     return dict(hidden=torch.randn(n, h), weight=torch.randn(v, h) / h ** 0.5, labels=torch.randint(0, v, (n,)))
 
 
-def _fused(mode: str):
+def _is_weights(n: int) -> torch.Tensor:
+    """Rollout IS weights in [0.5, 2) (dk.rollout_correction's ``rollout_is_weights``)."""
+    return 0.5 + 1.5 * torch.rand(n)
+
+
+def _fused(mode: str, is_weights: bool = False):
     def make():
         a = _linear()
         n = a["hidden"].shape[0]
         old = -3 * torch.rand(n)
         a.update(old_log_prob=old, advantages=torch.randn(n), response_mask=_token_mask(n),
                  ref_log_prob=old + 0.3 * torch.randn(n))
+        if is_weights:
+            a["rollout_is_weights"] = _is_weights(n)
         if mode.startswith("seq"):
             a["cu_seqlens"] = cu_seqlens_from([7, 0, 13])
         return a
     return make
 
 
-def _policy(mode: str, shape):
+def _policy(mode: str, shape, is_weights: bool = False):
     def make():
         n = torch.Size(shape).numel()
         lp = -3 * torch.rand(n)
         a = dict(log_prob=lp, old_log_prob=lp + 0.3 * torch.randn(n), advantages=torch.randn(n),
                  response_mask=_token_mask(n))
+        if is_weights:
+            a["rollout_is_weights"] = _is_weights(n)
         a = {k: t.reshape(shape) for k, t in a.items()}
         if mode.startswith("seq") and len(shape) == 1:
             a["cu_seqlens"] = _cu()
@@ -172,7 +181,7 @@ def _group_size():
 
 def _fused_call(mode: str):
     def call(a):
-        kw = {k: a[k] for k in ("cu_seqlens",) if k in a}
+        kw = {k: a[k] for k in ("cu_seqlens", "rollout_is_weights") if k in a}
         return dk.fused_linear_policy_loss(a["hidden"], a["weight"], a["labels"], a["old_log_prob"], a["advantages"],
                                            a["response_mask"], ref_log_prob=a["ref_log_prob"], kl_coef=0.1,
                                            entropy_coeff=0.01, temperature=0.9, loss_agg_mode=mode, **kw)
@@ -181,7 +190,7 @@ def _fused_call(mode: str):
 
 def _policy_call(mode: str):
     def call(a):
-        kw = {k: a[k] for k in ("cu_seqlens",) if k in a}
+        kw = {k: a[k] for k in ("cu_seqlens", "rollout_is_weights") if k in a}
         return dk.policy_loss(a["log_prob"], a["old_log_prob"], a["advantages"], a["response_mask"],
                               loss_agg_mode=mode, **kw)
     return call
@@ -206,11 +215,17 @@ CASES = [
            ("hidden", "weight")),
     *(OpCase(f"fused_linear_policy_loss-{m}", _fused(m), _fused_call(m), ("hidden", "weight"), "response_mask")
       for m in ("token-mean", "seq-mean-token-mean")),
+    OpCase("fused_linear_policy_loss-is_weights-seq-mean-token-mean", _fused("seq-mean-token-mean", True),
+           _fused_call("seq-mean-token-mean"), ("hidden", "weight"), "response_mask"),
     OpCase("kl_penalty", _kl, lambda a: dk.kl_penalty(a["log_prob"], a["ref_log_prob"], "low_var_kl"), ("log_prob",)),
     OpCase("kl_penalty-abs", _kl, lambda a: dk.kl_penalty(a["log_prob"], a["ref_log_prob"], "abs"), ("log_prob",)),
     *(OpCase(f"policy_loss-{m}-{'x'.join(map(str, s))}", _policy(m, s), _policy_call(m),
              ("log_prob", "old_log_prob"), "response_mask")
       for m in dk.LOSS_AGG_MODES for s in ((sum(_LENGTHS),), (6, 9))),
+    # With rollout IS weights (the weights not differentiable: constants).
+    *(OpCase(f"policy_loss-is_weights-{m}-{'x'.join(map(str, s))}", _policy(m, s, True), _policy_call(m),
+             ("log_prob", "old_log_prob"), "response_mask")
+      for m, s in (("token-mean", (6, 9)), ("seq-mean-token-sum", (sum(_LENGTHS),)))),
     OpCase("group_filter-index", _group_index,
            lambda a: dk.group_filter(a["scores"], a["group_index"], a["num_groups"])),
     OpCase("group_filter-size", _group_size, lambda a: dk.group_filter(a["scores"], group_size=a["group_size"])),

@@ -75,7 +75,8 @@ def test_fused_loss_forward_backward_reads_at_most_once():
 
     def step():
         loss, _ = dk.fused_linear_policy_loss(hidden, weight, labels, -torch.rand(n), torch.randn(n),
-                                              torch.rand(n) > 0.3, entropy_coeff=0.01)
+                                              torch.rand(n) > 0.3, entropy_coeff=0.01,
+                                              rollout_is_weights=torch.rand(n) + 0.5)
         loss.backward()
 
     c = _count(step)
@@ -95,6 +96,8 @@ def test_ops_without_reads(be):
         "group_filter(group_index)": lambda: dk.group_filter(scores, torch.arange(16) // 4, 4),
         "policy_loss(token-mean)": lambda: dk.policy_loss(lp, old, adv, mask)[0].backward(),
         "policy_loss(token-sum)": lambda: dk.policy_loss(lp, old, adv, mask, loss_agg_mode="token-sum")[0].backward(),
+        "policy_loss(rollout_is_weights)": lambda: dk.policy_loss(lp, old, adv, mask,
+                                                                  rollout_is_weights=torch.rand(4, 6))[0].backward(),
         "pad_input(unpad's indices)": lambda: dk.pad_input(x_unpad * 2, indices, 3, 5).sum().backward(),
         "packed_position_ids(unpad's cu_seqlens)": lambda: dk.packed_position_ids(cu, x_unpad.shape[0]),
     }

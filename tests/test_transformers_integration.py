@@ -199,17 +199,20 @@ def test_apply_dapo_kernels_log_probs_and_nll():
     assert ours(**inputs).logits.shape == (3, 8, V)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_apply_dapo_kernels_policy_loss_matches_unfused(mode):
+@pytest.mark.parametrize("mode,is_weights", [("token-mean", False), ("seq-mean-token-mean", False),
+                                             ("token-mean", True)])
+def test_apply_dapo_kernels_policy_loss_matches_unfused(mode, is_weights):
     """The patched forward's loss and gradients = dk.policy_loss on log-probs from the full logits
-    (fp64 model: the reference; fp32: what plain torch's error is)."""
+    (fp64 model: the reference; fp32: what plain torch's error is); rollout_is_weights aligned with
+    labels like advantages."""
     sdpa32, sdpa64, _ = _models("llama")
     ours = dkt.apply_dapo_kernels(copy.deepcopy(sdpa32), attention=False)
     inputs, labels, response = _rl_batch()
     adv = torch.randn(3, 1).expand(3, 8).contiguous()
     old = _log_probs_full(sdpa64, inputs, labels).float().detach() + 0.1 * torch.randn(3, 8)
+    is_w = {"rollout_is_weights": torch.rand(3, 8) + 0.5} if is_weights else {}
     out = ours(**inputs, labels=labels, advantages=adv, old_log_prob=old, response_mask=response,
-               loss_agg_mode=mode, clip_ratio_high=0.28)
+               loss_agg_mode=mode, clip_ratio_high=0.28, **is_w)
     out.loss.backward()
     scored = response.clone()
     scored[:, 0] = False
@@ -218,7 +221,8 @@ def test_apply_dapo_kernels_policy_loss_matches_unfused(mode):
     for m in (sdpa32, sdpa64):
         m.zero_grad()
         lp = _log_probs_full(m, inputs, labels)
-        loss, _ = dk.policy_loss(lp, old.to(lp.dtype), adv.to(lp.dtype), scored, loss_agg_mode=mode)
+        loss, _ = dk.policy_loss(lp, old.to(lp.dtype), adv.to(lp.dtype), scored, loss_agg_mode=mode,
+                                 **{k: v.to(lp.dtype) for k, v in is_w.items()})
         loss.backward()
         want[m] = (loss.detach(), _grads(m))
     (l32, g32), (l64, g64) = want[sdpa32], want[sdpa64]

@@ -96,6 +96,19 @@ def test_verl_argument_order_is_not_swapped():
     assert not torch.allclose(swapped, loss)
 
 
+@pytest.mark.parametrize("mode", dk.LOSS_AGG_MODES)
+def test_rollout_is_weights_go_to_the_op(mode):
+    """verl's rollout_is_weights reach the op's kernels as dk.policy_loss's rollout_is_weights (the same
+    bits), not folded into the aggregation weights beforehand."""
+    old, lp, adv, mask = _loss_inputs()
+    r = torch.rand(mask.shape, generator=torch.Generator().manual_seed(3)) + 0.5
+    loss, _ = dkv.compute_policy_loss_vanilla(old, lp, adv, mask, mode, _config(), r)
+    want, _ = dk.policy_loss(lp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode,
+                             rollout_is_weights=r)
+    assert torch.equal(loss, want)
+    assert torch.equal(*(torch.autograd.grad(x, lp)[0] for x in (loss, want)))
+
+
 @pytest.mark.verl
 @pytest.mark.parametrize("mode", dk.LOSS_AGG_MODES)
 @pytest.mark.parametrize("info", [{}, dict(dp_size=2, batch_num_tokens=90, global_batch_size=9, loss_scale_factor=40)],

@@ -108,14 +108,17 @@ def _policy_loss(dtypes) -> Iterator[Case]:
     launch = _launchers()
     n = 2048
     for dt in dtypes:
-        for per_token in (False, True):  # token modes: one weight; seq modes: one per token
-            def run(dt=dt, per_token=per_token):
+        # token modes: one weight; seq modes: one per token; with and without rollout IS weights (HAS_IS)
+        for per_token, has_is in ((False, False), (True, False), (False, True), (True, True)):
+            def run(dt=dt, per_token=per_token, has_is=has_is):
                 lp, old, adv = (torch.randn(n, dtype=dt) for _ in range(3))
                 mask = torch.ones(n, dtype=torch.bool)
                 w = torch.ones(n if per_token else 1, dtype=torch.float64)
-                launch["policy_loss_sums"](lp, old, adv, mask, w, 0.2, 0.28, 3.0)
-                launch["policy_loss_grad"](torch.ones(()), lp, old, adv, mask, w, 0.2, 0.28, 3.0)
-            yield Case("policy_loss", _name(dt), f"weights [{'N' if per_token else '1'}]", run)
+                is_w = torch.rand(n, dtype=dt) if has_is else None
+                launch["policy_loss_sums"](lp, old, adv, mask, w, 0.2, 0.28, 3.0, is_w)
+                launch["policy_loss_grad"](torch.ones(()), lp, old, adv, mask, w, 0.2, 0.28, 3.0, is_w)
+            yield Case("policy_loss", _name(dt),
+                       f"weights [{'N' if per_token else '1'}]{' + rollout IS weights' if has_is else ''}", run)
 
 
 def _group_filter(score_dtypes, group_sizes, index_dtypes, length_dtypes) -> Iterator[Case]:

@@ -172,16 +172,20 @@ def _next_token(x: torch.Tensor, fill, starts: torch.Tensor) -> torch.Tensor:
 
 
 def _dapo_forward(self, input_ids=None, attention_mask=None, position_ids=None, *, labels=None, advantages=None,
-                  old_log_prob=None, response_mask=None, ref_log_prob=None, logits_to_keep=0, **kwargs):
+                  old_log_prob=None, response_mask=None, ref_log_prob=None, rollout_is_weights=None, logits_to_keep=0,
+                  **kwargs):
     policy = {k: kwargs.pop(k) for k in _POLICY_KWARGS if k in kwargs}
+    if rollout_is_weights is not None:  # per token like advantages, but only the policy loss takes it
+        policy["rollout_is_weights"] = rollout_is_weights
     if labels is None:
         if advantages is not None or policy:
             raise ValueError("the policy loss needs labels (the tokens scored, aligned with input_ids)")
         return self._dapo_original_forward(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
     check_tensor("labels", labels, ndim=2)
+    # Checked before the model runs: one token each.
     for name, t in (("advantages", advantages), ("old_log_prob", old_log_prob), ("response_mask", response_mask),
-                    ("ref_log_prob", ref_log_prob)):  # checked before the model runs: one token each
+                    ("ref_log_prob", ref_log_prob), ("rollout_is_weights", rollout_is_weights)):
         if t is not None and check_tensor(name, t).shape != labels.shape:
             raise ValueError(f"{name} must have shape {list(labels.shape)} (the labels'), got {list(t.shape)}")
     out = getattr(self, self.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
@@ -211,6 +215,8 @@ def _dapo_forward(self, input_ids=None, attention_mask=None, position_ids=None, 
     tokens = {name: _next_token(t, 0, starts).reshape(-1) if t is not None else None
               for name, t in (("advantages", advantages), ("old_log_prob", old_log_prob),
                               ("ref_log_prob", ref_log_prob), ("response_mask", mask))}
+    if rollout_is_weights is not None:
+        policy["rollout_is_weights"] = _next_token(rollout_is_weights, 0, starts).reshape(-1)
     if policy.get("loss_agg_mode", "token-mean").startswith("seq"):
         policy["cu_seqlens"] = _cu_seqlens_from_starts(starts.reshape(-1))
     loss, metrics = fused_linear_policy_loss(flat_h, weight, nxt_labels, tokens["old_log_prob"], tokens["advantages"],
@@ -231,7 +237,7 @@ def apply_dapo_kernels(model: torch.nn.Module, *, attention: bool = True) -> tor
       ``t + 1``; ``-100`` = not scored): ``loss`` = mean negative log-likelihood of the scored tokens and
       ``log_probs [B, S]`` (differentiable), through :func:`dapo_kernels.linear_log_probs`;
     * plus ``advantages`` ``[B, S]`` (and optional ``old_log_prob`` - None: on-policy -, ``response_mask``,
-      ``ref_log_prob``, all ``[B, S]`` aligned with ``labels``, and the keyword arguments of
+      ``ref_log_prob``, ``rollout_is_weights``, all ``[B, S]`` aligned with ``labels``, and the keyword arguments of
       :func:`dapo_kernels.fused_linear_policy_loss`: ``clip_ratio_*``, ``loss_agg_mode``, ``entropy_coeff``,
       ``kl_coef``, ``temperature``, ...): the DAPO loss of that op, its ``metrics`` and detached
       ``log_probs`` (feed them back as ``old_log_prob``).

@@ -31,7 +31,8 @@ from .. import balancing
 from .._validation import check_mask
 from ..flash_attn_compat import bert_padding
 from ..ops.group_filter import group_filter
-from ..ops.policy_loss import aggregation_weights, check_agg, check_clips, metrics_from_counts, policy_loss_sums
+from ..ops.policy_loss import (aggregation_weights, check_agg, check_clips, check_is_weights, metrics_from_counts,
+                               policy_loss_sums)
 
 __all__ = ["compute_policy_loss_vanilla", "compute_grpo_outcome_advantage", "get_seqlen_balanced_partitions",
            "rearrange_micro_batches", "apply", "revert", "POLICY_LOSS_NAME"]
@@ -65,6 +66,8 @@ def compute_policy_loss_vanilla(
     ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
     ``loss_scale_factor``). Returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
     "actor/pg_clipfrac_lower"})`` with Python float metrics, as verl (one host read for the three).
+    ``rollout_is_weights`` (verl's rollout correction, shaped like ``log_prob``) go to the op's kernels,
+    which scale each token's loss by its weight before the aggregation (no extra pass).
     """
     if config is None:
         raise ValueError("config is required (verl's ActorConfig: clip_ratio, clip_ratio_low/high, clip_ratio_c)")
@@ -80,12 +83,11 @@ def compute_policy_loss_vanilla(
             raise ValueError(f"(global) {need} is required when dp_size > 1")
     mask = check_mask("response_mask", response_mask, device=log_prob.device, shape=tuple(log_prob.shape))
     check_agg(loss_agg_mode, log_prob, None)
+    is_w = check_is_weights(rollout_is_weights, log_prob)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=info.get("batch_num_tokens"),
                             num_seqs=info.get("global_batch_size"), loss_scale_factor=info.get("loss_scale_factor"))
-    if rollout_is_weights is not None:
-        w = w * rollout_is_weights.detach().reshape(-1).to(w.dtype)
     flat = [t.reshape(-1).contiguous() for t in (log_prob, old_log_prob, advantages, mask)]
-    sums = policy_loss_sums(*flat, w, *clips)  # (w: 1 or N contiguous elements, as policy_loss's)
+    sums = policy_loss_sums(*flat, w, *clips, is_w)  # (w: 1 or N contiguous elements, as policy_loss's)
     metrics = metrics_from_counts(sums[1], sums[2], sums[3], sums[4])
     clipfrac, ppo_kl, lower = torch.stack([metrics["pg_clipfrac"], metrics["ppo_kl"],
                                            metrics["pg_clipfrac_lower"]]).tolist()

@@ -27,7 +27,7 @@ from ._row_stats import (ENT, LOGP, LSE, accumulate_grads, all_reduce, check_lin
                          chunk_stats, grad_buffers, live_rows, row_results, set_exact_entries, token_chunks)
 from .kl_penalty import KL_TYPES, kl_terms
 from .linear_log_probs import grads_chunk, logit_chunks, row_stats_triton, triton_grad_buffers
-from .policy_loss import (aggregation_weights, check_agg, check_clips, metric_sums,
+from .policy_loss import (aggregation_weights, check_agg, check_clips, check_is_weights, is_scaled, metric_sums,
                           metrics_from_counts, pg_token_terms)
 
 
@@ -39,6 +39,7 @@ class LossTokens(NamedTuple):
     mask: torch.Tensor  # bool
     weights: torch.Tensor  # fp64 aggregation weights, 1 element (token modes) or N
     ref_log_prob: torch.Tensor  # empty unless kl_coef != 0
+    is_weights: torch.Tensor  # rollout IS weights (pg term only); empty: no correction
 
 
 class LossParams(NamedTuple):
@@ -83,6 +84,7 @@ class LossHead:
         old = tok.old_log_prob[sl] if tok.old_log_prob.numel() else lp
         loss, dl, clip, clip_low, nkl = pg_token_terms(lp, old, tok.advantages[sl], p.clip_ratio_low,
                                                        p.clip_ratio_high, p.clip_ratio_c)
+        loss, dl = is_scaled(loss, dl, tok.is_weights[sl] if tok.is_weights.numel() else None)
         # Masked tokens are selected away (torch.where), in the sums and in the gradients: a NaN
         # there reaches neither (NaN * 0 would); fp64 token math and sums, as in policy_loss.
         wm = torch.where(mask, w, 0.0)
@@ -247,6 +249,7 @@ def fused_linear_policy_loss(
     num_seqs=None,
     cu_seqlens: Optional[torch.Tensor] = None,
     loss_scale_factor=None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
     entropy_coeff: float = 0.0,
     ref_log_prob: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
@@ -268,7 +271,10 @@ def fused_linear_policy_loss(
     log-prob pass is needed. ``calculate_entropy`` computes the entropy (for metrics) even when
     ``entropy_coeff`` is 0. Tokens whose label is ``ignore_index`` (default -100; None: none) are
     masked out as ``response_mask`` would (no loss, no gradient, not counted) and get ``log_prob``
-    and ``entropy`` 0.
+    and ``entropy`` 0. ``rollout_is_weights`` (float ``[N]``, optional; e.g. ``dk.rollout_correction``'s,
+    with its masked ``response_mask``) scale each token's policy-gradient term before the
+    aggregation, as in :func:`dapo_kernels.policy_loss` (constants; not the entropy / KL terms nor
+    the metrics, as verl; values not checked).
 
     Returns ``loss`` (fp32 0-dim; gradients for ``hidden`` and ``weight``, computed during the
     forward when grad is enabled) and detached ``metrics``: ``pg_clipfrac``,
@@ -286,6 +292,7 @@ def fused_linear_policy_loss(
     entropy_coeff, kl_coef = (check_float(name, v, valid=math.isfinite, expected="finite")
                               for name, v in (("entropy_coeff", entropy_coeff), ("kl_coef", kl_coef)))
     mask = _check_token_inputs(n, hidden, old_log_prob, advantages, response_mask, ref_log_prob, kl_coef, kl_type)
+    is_w = check_is_weights(rollout_is_weights, advantages)
     if ignored is not None:
         labels, mask = labels.masked_fill(ignored, 0), mask & ~ignored
     clip_ratio_low, clip_ratio_high, clip_ratio_c = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
@@ -295,7 +302,8 @@ def fused_linear_policy_loss(
     ref = ref_log_prob if (kl_coef and ref_log_prob is not None) else advantages.new_zeros(0)
     old = advantages.new_zeros(0) if old_log_prob is None else old_log_prob
     tokens = LossTokens(old_log_prob=old.contiguous(), advantages=advantages.contiguous(), mask=mask.contiguous(),
-                        weights=w, ref_log_prob=ref.contiguous())
+                        weights=w, ref_log_prob=ref.contiguous(),
+                        is_weights=advantages.new_zeros(0) if is_w is None else is_w)
     params = LossParams(temperature=float(temperature), clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                         clip_ratio_c=clip_ratio_c, entropy_coeff=float(entropy_coeff), kl_coef=float(kl_coef))
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

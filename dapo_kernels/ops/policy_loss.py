@@ -5,7 +5,9 @@ aggregation mode is a weighted token sum ``loss = sum_i w_i * mask_i * L_i``: th
 weights ``w`` (one scalar for the token modes, one value per token for the seq modes)
 are built from the mask with a few vectorised torch ops, and one kernel computes the
 per-token loss, the weighted sum and the metric counts; the backward is one more
-elementwise kernel, ``d loss / d log_prob_i = w_i * mask_i * dL_i``. The per-token terms,
+elementwise kernel, ``d loss / d log_prob_i = w_i * mask_i * dL_i``. Optional rollout
+importance-sampling weights ``r`` (verl's ``rollout_is_weights``) scale ``L_i`` and ``dL_i``
+inside the same two kernels (one more load per token, no extra pass). The per-token terms,
 the weights and the sums are fp64 in both backends; the gradient is written in
 ``log_prob``'s dtype.
 """
@@ -37,7 +39,7 @@ _BLOCK = 1024
 class PolicyLossSums(NamedTuple):
     """fp64 0-dim sums over the selected tokens; the custom op returns ``torch.stack(sums)`` (the Triton
     kernel stores them in this field order), read back with ``PolicyLossSums._make(t.unbind())``."""
-    loss: torch.Tensor  # sum(w * mask * L)
+    loss: torch.Tensor  # sum(w * mask * r * L), r the rollout IS weights (1 without)
     clipped: torch.Tensor  # count
     clipped_lower: torch.Tensor  # count (dual clip)
     neg_log_ratio: torch.Tensor  # sum of -log(ratio), unweighted
@@ -112,9 +114,9 @@ def _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok, W_STRIDE: tl.
 
 @triton.jit
 def _policy_loss_fwd_kernel(
-    p_lp, p_old, p_adv, p_mask, p_w, p_part, n_tok, clip_low_hi, clip_low_lo, clip_high_hi,
+    p_lp, p_old, p_adv, p_mask, p_w, p_is, p_part, n_tok, clip_low_hi, clip_low_lo, clip_high_hi,
     clip_high_lo, clip_c_hi, clip_c_lo,
-    W_STRIDE: tl.constexpr, BLOCK: tl.constexpr, NUM_SUMS: tl.constexpr,
+    W_STRIDE: tl.constexpr, HAS_IS: tl.constexpr, BLOCK: tl.constexpr, NUM_SUMS: tl.constexpr,
 ):
     """This block's partial sums into row ``i_b`` of ``p_part``, in PolicyLossSums' field order."""
     i_b = tl.program_id(0)
@@ -124,6 +126,8 @@ def _policy_loss_fwd_kernel(
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(
         b_lp, b_old, b_adv, _f64(clip_low_hi, clip_low_lo), _f64(clip_high_hi, clip_high_lo),
         _f64(clip_c_hi, clip_c_lo))
+    if HAS_IS:  # verl: pg_losses * rollout_is_weights, before the aggregation
+        b_loss = b_loss * tl.load(p_is + o_t, mask=m_t, other=0).to(tl.float64)
     p_out = p_part + i_b.to(tl.int64) * NUM_SUMS
     tl.store(p_out + 0, tl.sum(tl.where(b_m > 0, b_w * b_loss, 0.0), axis=0))
     tl.store(p_out + 1, tl.sum(b_m * b_clip, axis=0))
@@ -134,9 +138,9 @@ def _policy_loss_fwd_kernel(
 
 @triton.jit
 def _policy_loss_bwd_kernel(
-    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_dlp, n_tok, clip_low_hi, clip_low_lo, clip_high_hi,
+    p_g, p_lp, p_old, p_adv, p_mask, p_w, p_is, p_dlp, n_tok, clip_low_hi, clip_low_lo, clip_high_hi,
     clip_high_lo, clip_c_hi, clip_c_lo,
-    W_STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+    W_STRIDE: tl.constexpr, HAS_IS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     o_t, m_t, b_lp, b_old, b_adv, b_m, b_w = _load_token_block(p_lp, p_old, p_adv, p_mask, p_w, i_b, n_tok,
@@ -145,6 +149,8 @@ def _policy_loss_bwd_kernel(
     b_loss, b_dl, b_clip, b_clip_low, b_nkl = _pg_token_terms(
         b_lp, b_old, b_adv, _f64(clip_low_hi, clip_low_lo), _f64(clip_high_hi, clip_high_lo),
         _f64(clip_c_hi, clip_c_lo))
+    if HAS_IS:  # the weights are constants: d (r L) / d lp = r dL
+        b_dl = b_dl * tl.load(p_is + o_t, mask=m_t, other=0).to(tl.float64)
     b_grad = tl.where(b_m, b_g * b_w * b_dl, 0.0)
     # Through fp32: triton 3.9's interpreter converts fp64 -> bf16 wrongly (NaN, garbage).
     tl.store(p_dlp + o_t, b_grad.to(tl.float32).to(p_dlp.dtype.element_ty), mask=m_t)
@@ -167,31 +173,33 @@ def _dense(*ts: torch.Tensor):
     return [t.contiguous() for t in ts]
 
 
-@register("policy_loss_sums", "triton")
-def _sums_triton(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+def _token_args(lp, old, adv, mask, w, is_w):
+    """The kernels' token pointers and constexprs; without IS weights ``lp`` stands in (never read)."""
     lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
+    ptrs = [lp, old, adv, mask.view(torch.uint8), w, lp if is_w is None else is_w.contiguous()]
+    return ptrs, dict(W_STRIDE=int(w.numel() != 1), HAS_IS=is_w is not None, BLOCK=_BLOCK)
+
+
+@register("policy_loss_sums", "triton")
+def _sums_triton(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_w=None):
+    ptrs, meta = _token_args(lp, old, adv, mask, w, is_w)
     n = lp.numel()
     part = empty_output((max(cdiv(n, _BLOCK), 1), _NUM_SUMS), dtype=torch.float64, device=lp.device)
     if n == 0:
         return part.zero_()[0]
     _policy_loss_fwd_kernel[(cdiv(n, _BLOCK),)](
-        lp, old, adv, mask.view(torch.uint8), w, part, n, *_clip_args(clip_ratio_low, clip_ratio_high, clip_ratio_c),
-        W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK, NUM_SUMS=_NUM_SUMS,
-    )
+        *ptrs, part, n, *_clip_args(clip_ratio_low, clip_ratio_high, clip_ratio_c), NUM_SUMS=_NUM_SUMS, **meta)
     return part.sum(0)
 
 
 @register("policy_loss_grad", "triton")
-def _grad_triton(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
-    lp, old, adv, mask, w = _dense(lp, old, adv, mask, w)
+def _grad_triton(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_w=None):
+    ptrs, meta = _token_args(lp, old, adv, mask, w, is_w)
     n = lp.numel()
     dlp = empty_output(lp.shape, dtype=lp.dtype, device=lp.device)
     if n:
         _policy_loss_bwd_kernel[(cdiv(n, _BLOCK),)](
-            g.reshape(1), lp, old, adv, mask.view(torch.uint8), w, dlp, n,
-            *_clip_args(clip_ratio_low, clip_ratio_high, clip_ratio_c),
-            W_STRIDE=int(w.numel() != 1), BLOCK=_BLOCK,
-        )
+            g.reshape(1), *ptrs, dlp, n, *_clip_args(clip_ratio_low, clip_ratio_high, clip_ratio_c), **meta)
     return dlp
 
 
@@ -216,6 +224,15 @@ def pg_token_terms(lp, old, adv, clip_ratio_low: float, clip_ratio_high: float, 
     return loss, dl, (pg2 > pg1).double(), ((c1 > pg3) & neg).double(), nkl
 
 
+def is_scaled(loss, dl, is_w):
+    """``(r * loss, r * dl)`` for rollout IS weights ``r`` (None or empty: unchanged), in fp64 as the kernels:
+    verl multiplies each token's loss by its weight before aggregating, and the weights are constants."""
+    if is_w is None or is_w.numel() == 0:
+        return loss, dl
+    r = is_w.double()
+    return loss * r, dl * r
+
+
 def metric_sums(mask, clip, clip_low, nkl) -> Dict[str, torch.Tensor]:
     """fp64 counts and sum of -log-ratio over the tokens ``mask`` selects, keyed by the sums' field names;
     the others are selected away (a NaN log-ratio there must not reach ``ppo_kl`` through NaN * 0)."""
@@ -225,61 +242,66 @@ def metric_sums(mask, clip, clip_low, nkl) -> Dict[str, torch.Tensor]:
 
 
 @register("policy_loss_sums", "torch")
-def _sums_torch(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+def _sums_torch(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_w=None):
     loss, _, clip, clip_low_ind, nkl = pg_token_terms(lp, old, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    loss, _ = is_scaled(loss, loss, is_w)
     wl = torch.where(mask, w.double() * loss, 0.0)
     return torch.stack(PolicyLossSums(loss=wl.sum(), **metric_sums(mask, clip, clip_low_ind, nkl)))
 
 
 @register("policy_loss_grad", "torch")
-def _grad_torch(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+def _grad_torch(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_w=None):
     _, dl, _, _, _ = pg_token_terms(lp, old, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    _, dl = is_scaled(dl, dl, is_w)
     return torch.where(mask, g.double() * w.double() * dl, 0.0).to(lp.dtype)
 
 
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("dapo::policy_loss_sums", mutates_args=())
 def policy_loss_sums(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, w: torch.Tensor,
-                     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> torch.Tensor:
-    """``torch.stack(PolicyLossSums)`` (fp64) over flat ``[N]`` inputs.
+                     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                     is_w: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.stack(PolicyLossSums)`` (fp64) over flat ``[N]`` inputs; ``is_w`` the optional rollout IS
+    weights ``[N]`` (any float dtype), each token's loss scaled by its weight before the sum.
 
     Per-token math and sums in fp64 (log-ratio terms reach +-20 while their mean is ~0.01).
     """
-    return dispatch("policy_loss_sums", lp.device)(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return dispatch("policy_loss_sums", lp.device)(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+                                                   is_w)
 
 
 @policy_loss_sums.register_fake
-def _(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+def _(lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_w=None):
     return lp.new_empty((_NUM_SUMS,), dtype=torch.float64)
 
 
 @torch.library.custom_op("dapo::policy_loss_grad", mutates_args=())
 def policy_loss_grad(g: torch.Tensor, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                      w: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
-                     clip_ratio_c: float) -> torch.Tensor:
+                     clip_ratio_c: float, is_w: Optional[torch.Tensor] = None) -> torch.Tensor:
     """d(g * sums.loss) / d lp (``PolicyLossSums``), in lp's dtype."""
     return dispatch("policy_loss_grad", lp.device)(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high,
-                                                   clip_ratio_c)
+                                                   clip_ratio_c, is_w)
 
 
 @policy_loss_grad.register_fake
-def _(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+def _(g, lp, old, adv, mask, w, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_w=None):
     return torch.empty_like(lp)
 
 
 def _sums_setup(ctx, inputs, output):
-    lp, old, adv, mask, w, *clips = inputs
-    ctx.save_for_backward(lp, old, adv, mask, w)
+    lp, old, adv, mask, w, *clips, is_w = inputs
+    ctx.save_for_backward(lp, old, adv, mask, w, is_w)
     ctx.clips = clips
 
 
 def _sums_backward(ctx, grad):
-    lp, old, adv, mask, w = ctx.saved_tensors
+    lp, old, adv, mask, w, is_w = ctx.saved_tensors
     g = PolicyLossSums._make(grad.unbind()).loss  # the only sum policy_loss differentiates
-    dlp = policy_loss_grad(g.contiguous(), lp, old, adv, mask, w, *ctx.clips)
-    # The loss depends on lp - old only.
+    dlp = policy_loss_grad(g.contiguous(), lp, old, adv, mask, w, *ctx.clips, is_w)
+    # The loss depends on lp - old only; the IS weights are constants (no gradient).
     dold = -dlp if ctx.needs_input_grad[1] else None
-    return dlp, dold, None, None, None, None, None, None
+    return dlp, dold, None, None, None, None, None, None, None
 
 
 policy_loss_sums.register_autograd(_sums_backward, setup_context=_sums_setup)
@@ -383,6 +405,17 @@ def check_agg(mode, shape_like: torch.Tensor, cu_seqlens) -> None:
         check_cu_seqlens(cu_seqlens, shape_like.shape[0], device=shape_like.device)
 
 
+def check_is_weights(rollout_is_weights, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """``rollout_is_weights`` as the op's flat, contiguous, detached ``[N]`` (None stays None): a float tensor
+    of ``like``'s shape and device. Its values are not read (no host sync): negative or non-finite
+    weights reach the loss as given."""
+    if rollout_is_weights is None:
+        return None
+    check_tensor("rollout_is_weights", rollout_is_weights, dtypes=FLOAT_DTYPES, device=like.device,
+                 shape=tuple(like.shape))
+    return rollout_is_weights.detach().reshape(-1).contiguous()
+
+
 def metrics_from_counts(clipped, clipped_lower, neg_kl_sum, count) -> Dict[str, torch.Tensor]:
     n = count.clamp(min=1.0)
     return {"pg_clipfrac": (clipped / n).detach().float(), "pg_clipfrac_lower": (clipped_lower / n).detach().float(),
@@ -403,6 +436,7 @@ def policy_loss(
     num_seqs=None,
     cu_seqlens: Optional[torch.Tensor] = None,
     loss_scale_factor=None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Decoupled-clip PPO/DAPO policy loss (verl ``compute_policy_loss_vanilla`` + ``agg_loss``).
 
@@ -426,6 +460,14 @@ def policy_loss(
         cu_seqlens: int32/int64 ``[B+1]`` for packed 1-D inputs in the seq modes.
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (default ``T``; packed: the
             longest sequence); finite and > 0, checked like the counts.
+        rollout_is_weights: optional float tensor of ``log_prob``'s shape, the rollout
+            importance-sampling weights (``dk.rollout_correction``'s, with its masked
+            ``response_mask``): each token's loss is multiplied by its weight before the
+            aggregation, as verl's ``rollout_is_weights``; constants (detached, no gradient), in
+            the same kernels (no extra pass). None: no correction (all ones gives the same bits).
+            The metrics stay unweighted, as verl's. Values are not checked (no host read): a
+            negative weight flips its token's term, a NaN / inf one makes that token's loss term
+            and gradient non-finite (NaN where the gradient would be 0: inf * 0), nothing else.
 
     Returns:
         ``loss``: fp32 0-dim, differentiable w.r.t. ``log_prob`` (and ``old_log_prob``);
@@ -443,8 +485,9 @@ def policy_loss(
     mask = check_mask("response_mask", response_mask, device=log_prob.device, shape=tuple(log_prob.shape))
     clips = check_clips(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_agg(loss_agg_mode, log_prob, cu_seqlens)
+    is_w = check_is_weights(rollout_is_weights, log_prob)
     w = aggregation_weights(mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, cu_seqlens=cu_seqlens,
                             loss_scale_factor=loss_scale_factor)
     flat = [t.reshape(-1).contiguous() for t in (log_prob, old_log_prob, advantages, mask)]
-    sums = PolicyLossSums._make(policy_loss_sums(*flat, w, *clips).unbind())
+    sums = PolicyLossSums._make(policy_loss_sums(*flat, w, *clips, is_w).unbind())
     return sums.loss.float(), metrics_from_counts(sums.clipped, sums.clipped_lower, sums.neg_log_ratio, sums.tokens)

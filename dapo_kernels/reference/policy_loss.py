@@ -67,16 +67,20 @@ def pg_losses_ref(log_prob, old_log_prob, advantages, clip_ratio_low=0.2, clip_r
 
 def policy_loss_ref(log_prob, old_log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
                     clip_ratio_c=3.0, loss_agg_mode="token-mean", num_tokens=None, num_seqs=None, cu_seqlens=None,
-                    loss_scale_factor=None):
-    """(loss, metrics) as verl; 1-D inputs with ``cu_seqlens`` are padded per sequence first."""
+                    loss_scale_factor=None, rollout_is_weights=None):
+    """(loss, metrics) as verl; 1-D inputs with ``cu_seqlens`` are padded per sequence first.
+    ``rollout_is_weights`` (same shape, detached) multiply the per-token losses before ``agg_loss``."""
+    is_w = torch.ones_like(log_prob) if rollout_is_weights is None else rollout_is_weights.detach()
     if log_prob.dim() == 1 and cu_seqlens is not None:
-        log_prob, old_log_prob, advantages, response_mask = (
-            packed_to_padded_ref(t, cu_seqlens) for t in (log_prob, old_log_prob, advantages, response_mask))
+        log_prob, old_log_prob, advantages, response_mask, is_w = (
+            packed_to_padded_ref(t, cu_seqlens) for t in (log_prob, old_log_prob, advantages, response_mask, is_w))
     elif log_prob.dim() == 1:
-        log_prob, old_log_prob, advantages, response_mask = (
-            t[None] for t in (log_prob, old_log_prob, advantages, response_mask))
+        log_prob, old_log_prob, advantages, response_mask, is_w = (
+            t[None] for t in (log_prob, old_log_prob, advantages, response_mask, is_w))
     losses, clipped, clipped_lower, neg_kl = pg_losses_ref(
         log_prob, old_log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    if rollout_is_weights is not None:
+        losses = losses * is_w
     loss = agg_loss_ref(losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                         loss_scale_factor=loss_scale_factor)
     dt = log_prob.dtype

@@ -81,16 +81,19 @@ def test_linear_log_probs_without_entropy_and_vocab_shard():
     torch.testing.assert_close(lp_sh[inside], (full_lp + full_lse - shard_lse)[inside], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("ent_coef,kl_coef", [(0.0, 0.0), (0.01, 0.1)], ids=["pg", "pg-ent-kl"])
-def test_fused_linear_policy_loss(ent_coef, kl_coef):
+@pytest.mark.parametrize("ent_coef,kl_coef,is_weights", [(0.0, 0.0, False), (0.01, 0.1, False), (0.01, 0.1, True)],
+                         ids=["pg", "pg-ent-kl", "pg-ent-kl-is_weights"])
+def test_fused_linear_policy_loss(ent_coef, kl_coef, is_weights):
     hidden, weight, labels = make_linear(N, H, V, torch.float32)
     old = -torch.rand(N) * 3
     adv, ref = torch.randn(N), -torch.rand(N) * 3
     mask = torch.rand(N) > 0.2
+    is_w = 0.5 + 1.5 * torch.rand(N) if is_weights else None  # rollout IS weights: the pg term only
     clips = (0.2, 0.28, 3.0)
     w = aggregation_weights(mask, "token-mean")
     tokens = LossTokens(old_log_prob=old, advantages=adv, mask=mask, weights=w,
-                        ref_log_prob=ref if kl_coef else old.new_zeros(0))
+                        ref_log_prob=ref if kl_coef else old.new_zeros(0),
+                        is_weights=old.new_zeros(0) if is_w is None else is_w)
     params = LossParams(temperature=0.9, clip_ratio_low=clips[0], clip_ratio_high=clips[1], clip_ratio_c=clips[2],
                         entropy_coeff=ent_coef, kl_coef=kl_coef)
     stacked, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(
@@ -101,7 +104,7 @@ def test_fused_linear_policy_loss(ent_coef, kl_coef):
     def fn(h, w_):
         out = fused_linear_policy_loss_ref(h, w_, labels, old, adv, mask, temperature=0.9, clip_ratio_low=clips[0],
                                            clip_ratio_high=clips[1], clip_ratio_c=clips[2], entropy_coeff=ent_coef,
-                                           ref_log_prob=ref, kl_coef=kl_coef)
+                                           ref_log_prob=ref, kl_coef=kl_coef, rollout_is_weights=is_w)
         return (out[0], out[2], out[3]), (torch.ones(()), torch.zeros(N), torch.zeros(N))
 
     ref64 = _ref_grads(fn, hidden, weight, torch.float64)
@@ -132,7 +135,8 @@ def test_fused_without_grad_or_tokens():
     hidden, weight, labels = make_linear(N, H, V, torch.float32)
     mask = torch.zeros(0, dtype=torch.bool)
     tokens = LossTokens(old_log_prob=torch.zeros(0), advantages=torch.zeros(0), mask=mask,
-                        weights=aggregation_weights(mask, "token-mean"), ref_log_prob=torch.zeros(0))
+                        weights=aggregation_weights(mask, "token-mean"), ref_log_prob=torch.zeros(0),
+                        is_weights=torch.zeros(0))
     params = LossParams(temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
                         entropy_coeff=0.0, kl_coef=0.0)
     sums, log_prob, ent, d_h, d_w = loss.fused_linear_policy_loss(

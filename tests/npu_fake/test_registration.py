@@ -40,7 +40,7 @@ def test_torch_path_kernels_ignore_a_forced_triton_backend(monkeypatch):
         "scatter_rows": (x[:3], idx, 6),
         "packed_position_ids": (torch.tensor([0, 2, 5], dtype=torch.int32), 5),
         "overlong_penalty": (torch.tensor([3, 9, 12]), 8.0, 4.0, 1.0),
-        "policy_loss_sums": (lp, old, adv, mask, w, 0.2, 0.28, 3.0),
+        "policy_loss_sums": (lp, old, adv, mask, w, 0.2, 0.28, 3.0, torch.rand(5) + 0.5),  # + rollout IS weights
         "policy_loss_grad": (torch.ones((), dtype=torch.float64), lp, old, adv, mask, w, 0.2, 0.28, 3.0),
     }
     kernels = npu_ops.kernels()

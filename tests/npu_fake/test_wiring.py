@@ -56,13 +56,14 @@ SCRIPT = textwrap.dedent(r'''
         old, adv = -torch.rand(9), torch.randn(9)
         mask = torch.rand(9) > 0.3
         loss, m = dk.fused_linear_policy_loss(h, w, lab, old, adv, mask, entropy_coeff=0.01,
-                                              ref_log_prob=-torch.rand(9), kl_coef=0.1)
+                                              ref_log_prob=-torch.rand(9), kl_coef=0.1,
+                                              rollout_is_weights=torch.rand(9) + 0.5)
         loss.backward()
         r.update(fused=loss, fused_clip=m["pg_clipfrac"], fused_dh=h.grad, fused_dw=w.grad)
 
         lp2 = leaf(3, 6)
         pl, pm = dk.policy_loss(lp2, -torch.rand(3, 6), torch.randn(3, 6), torch.rand(3, 6) > 0.2,
-                                loss_agg_mode="seq-mean-token-mean")
+                                loss_agg_mode="seq-mean-token-mean", rollout_is_weights=torch.rand(3, 6) + 0.5)
         pl.backward()
         r.update(pl=pl, pl_kl=pm["ppo_kl"], pl_grad=lp2.grad)
 

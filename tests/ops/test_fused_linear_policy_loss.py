@@ -15,35 +15,51 @@ from tests.tolerance import assert_close_to_ref, worst_of
 
 
 FUSED_CASES = [
-    # mode, entropy_coeff, kl_coef, kl_type, packed cu_seqlens lengths
-    ("token-mean", 0.0, 0.0, "low_var_kl", None),
-    ("token-mean", 0.01, 0.1, "low_var_kl", None),
-    ("token-sum", 0.0, 0.05, "kl", None),
-    ("seq-mean-token-sum", 0.02, 0.1, "abs", [10, 0, 27]),
-    ("seq-mean-token-mean", 0.0, 0.1, "mse", [1, 20, 16]),
-    ("seq-mean-token-sum-norm", 0.01, 0.0, "low_var_kl", [30, 7]),
+    # mode, entropy_coeff, kl_coef, kl_type, packed cu_seqlens lengths, rollout IS weights
+    ("token-mean", 0.0, 0.0, "low_var_kl", None, False),
+    ("token-mean", 0.01, 0.1, "low_var_kl", None, False),
+    ("token-sum", 0.0, 0.05, "kl", None, False),
+    ("seq-mean-token-sum", 0.02, 0.1, "abs", [10, 0, 27], False),
+    ("seq-mean-token-mean", 0.0, 0.1, "mse", [1, 20, 16], False),
+    ("seq-mean-token-sum-norm", 0.01, 0.0, "low_var_kl", [30, 7], False),
+    ("token-mean", 0.01, 0.1, "low_var_kl", None, True),
+    ("seq-mean-token-mean", 0.0, 0.0, "low_var_kl", [1, 20, 16], True),
+    ("seq-mean-token-sum-norm", 0.02, 0.1, "abs", [30, 7], True),
 ]
 
 
 def _fused_id(c):
-    return f"{c[0]}-ent{c[1]}-kl{c[2]}-{c[3]}"
+    return f"{c[0]}-ent{c[1]}-kl{c[2]}-{c[3]}" + ("-is_weights" if c[5] else "")
+
+
+def is_weights(n: int) -> torch.Tensor:
+    """Rollout IS weights in [0.1, 2], a few exact 0 (rejected) and 1 (seeded by the caller)."""
+    r, kind = 0.1 + 1.9 * torch.rand(n), torch.randint(0, 8, (n,))
+    return torch.where(kind == 0, 0.0, torch.where(kind == 1, 1.0, r))
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])
-@pytest.mark.parametrize("mode,ec,kc,kl_type,lengths", [pytest.param(*c, id=_fused_id(c)) for c in FUSED_CASES])
-def test_fused_matches_reference(be, mode, ec, kc, kl_type, lengths):
+@pytest.mark.parametrize("mode,ec,kc,kl_type,lengths,is_w", [pytest.param(*c, id=_fused_id(c)) for c in FUSED_CASES])
+def test_fused_matches_reference(be, mode, ec, kc, kl_type, lengths, is_w):
+    """Loss, dH, dW, log-prob, metrics within the tolerance rule; IS weights scale the pg term only and get
+    no gradient."""
     N, H, V = 37, 32, 200
     hidden, weight, labels = make_linear(N, H, V, torch.float32)
     tok = fused_inputs(N, V)
     kw = dict(temperature=0.6, loss_agg_mode=mode, entropy_coeff=ec, kl_coef=kc, kl_type=kl_type,
               cu_seqlens=cu_seqlens_from(lengths) if lengths else None, **tok)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    if is_w:
+        kw["rollout_is_weights"] = is_weights(N).requires_grad_()
     with backend(be):
         loss, metrics = dk.fused_linear_policy_loss(h, w, labels, **kw)
-        dh, dw = torch.autograd.grad(loss, [h, w])
+        dh, dw, *d_r = torch.autograd.grad(loss, [h, w, *([kw["rollout_is_weights"]] if is_w else [])],
+                                           allow_unused=True)
+    assert d_r == ([None] if is_w else []), "rollout_is_weights are constants: no gradient"
 
     def ref(dt, llp=linear_log_probs_ref):
-        kw_dt = {k: (v.to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+        kw_dt = {k: (v.detach().to(dt) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                 for k, v in kw.items()}
         h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
         with mock.patch.object(ref_fused, "linear_log_probs_ref", llp):  # the reference's log-prob step
             r_loss, r_met, r_lp, r_ent = fused_linear_policy_loss_ref(h, w, labels, **kw_dt)
@@ -213,3 +229,32 @@ def test_on_policy_old_log_prob_none_is_ratio_one(be):
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(m["entropy"], ent, rtol=1e-6, atol=1e-6)
     assert "entropy_loss" not in m and "entropy" not in m2  # no coefficient: no entropy term
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_all_ones_is_weights_are_bit_identical(be, mode):
+    """rollout_is_weights of ones gives the bits of no weights: loss, every metric, dH and dW."""
+    torch.manual_seed(0)
+    hidden, weight, labels = make_linear(23, 16, 120, torch.float32)
+    tok = fused_inputs(23, 120)
+    kw = dict(loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.1, cu_seqlens=cu_seqlens_from([9, 0, 14]), **tok)
+    outs = []
+    for r in (None, torch.ones(23)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with backend(be):
+            loss, metrics = dk.fused_linear_policy_loss(h, w, labels, rollout_is_weights=r, **kw)
+            outs.append((loss, metrics, *torch.autograd.grad(loss, [h, w])))
+    (a, ma, *ga), (b, mb, *gb) = outs
+    assert torch.equal(a, b) and ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+@pytest.mark.parametrize("value,exc", [(torch.ones(5), ValueError), (torch.ones(6, 1), ValueError),
+                                       (torch.ones(6, dtype=torch.int32), ValueError),
+                                       (torch.ones(6, device="meta"), ValueError), ([1.0] * 6, TypeError)],
+                         ids=["short", "2d", "int", "other-device", "list"])
+def test_bad_is_weights_name_the_argument(value, exc):
+    hidden, weight, labels = make_linear(6, 16, 100, torch.float32)
+    with pytest.raises(exc, match="rollout_is_weights"):
+        dk.fused_linear_policy_loss(hidden, weight, labels, **fused_inputs(6, 100, ref=False), rollout_is_weights=value)

@@ -133,6 +133,9 @@ def _spec(case: OpCase, args: Dict, clean: Dict, name: str, idx, where: str) -> 
                     spec[k] = (row, ~row)
             return spec
         spec = {"out.0": (mask_of("out.0", True), None)}
+        if name == "rollout_is_weights":  # the pg term and the token's own gradient only; metrics untouched
+            spec = {k: (None, mask_of(k, True)) for k in clean if k.startswith("out.1.") and k != "out.1.pg_loss"}
+            spec.update({k: (mask_of(k, True), None) for k in ("out.0", "out.1.pg_loss")})
         if token is not None:
             other = mask_of("dhidden", True)
             other[token] = False
@@ -145,7 +148,7 @@ def _spec(case: OpCase, args: Dict, clean: Dict, name: str, idx, where: str) -> 
         if where == "masked":
             return all_same
         spec = {"out.0": (mask_of("out.0", True), None)}
-        if name != "advantages":
+        if name not in ("advantages", "rollout_is_weights"):  # the metrics are unweighted
             spec["out.1.ppo_kl"] = (mask_of("out.1.ppo_kl", True), None)
         for d in ("dlog_prob", "dold_log_prob"):
             spec[d] = (None, ~only(d, idx))

@@ -216,3 +216,118 @@ def test_zero_global_count_with_selected_tokens_is_refused(count):
     empty = torch.zeros_like(mask)
     for zero in (0, torch.zeros(())):
         assert dk.policy_loss(lp, old, adv, empty, loss_agg_mode=mode, **{count: zero})[0] == 0
+
+
+# --------------------------------------------------------------------------- rollout IS weights
+def is_weights(shape, dtype, seed=1):
+    """Truncated-IS-like weights in [0.1, 2], a few exact 0 (rejected) and 1, in ``dtype`` (fixed seed)."""
+    g = torch.Generator().manual_seed(seed)
+    r = 0.1 + 1.9 * torch.rand(shape, generator=g)
+    kind = torch.randint(0, 8, shape, generator=g)
+    return torch.where(kind == 0, 0.0, torch.where(kind == 1, 1.0, r)).to(dtype)
+
+
+def run_both_weighted(lp, old, adv, mask, r, be, **kw):
+    """run_both with ``rollout_is_weights``: ``r`` in fp64 for the float64 reference, as given for the other."""
+    x, rw = lp.clone().requires_grad_(), r.clone().requires_grad_()
+    with backend(be):
+        loss, metrics = dk.policy_loss(x, old, adv, mask, **CLIPS, rollout_is_weights=rw, **kw)
+        grad, g_r = torch.autograd.grad(loss, [x, rw], allow_unused=True)
+    assert g_r is None, "rollout_is_weights are constants: no gradient"
+    refs = []
+    for dt in (torch.float64, lp.dtype):
+        t = lp.to(dt).requires_grad_()
+        rl, rm = policy_loss_ref(t, old.to(dt), adv.to(dt), mask, **CLIPS, rollout_is_weights=r.to(dt), **kw)
+        refs.append((rl, rm, torch.autograd.grad(rl, t)[0] if rl.requires_grad else torch.zeros_like(t)))
+    return (loss, metrics, grad), refs[0], refs[1]
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["padded-fp32", "padded-bf16", "packed"])
+def test_rollout_is_weights_match_reference(be, mode, layout):
+    """Each token's loss times its IS weight before the aggregation (verl's pg_losses * rollout_is_weights):
+    loss, gradient and (unweighted) metrics within the tolerance rule; the weights get no gradient."""
+    torch.manual_seed(0)
+    kw = dict(loss_agg_mode=mode)
+    if layout == "packed":
+        lengths = [5, 0, 1, 40, 13]
+        lp, old, adv, mask = make_inputs((sum(lengths),), torch.float32)
+        kw["cu_seqlens"] = cu_seqlens_from(lengths) if mode.startswith("seq") else None
+    else:
+        lp, old, adv, mask = make_inputs((4, 70), torch.bfloat16 if layout.endswith("bf16") else torch.float32)
+    check(*run_both_weighted(lp, old, adv, mask, is_weights(lp.shape, lp.dtype), be, **kw))
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_all_ones_is_weights_are_bit_identical(be, mode):
+    """rollout_is_weights of ones gives the bits of no weights (loss, metrics and gradient)."""
+    torch.manual_seed(0)
+    lengths = [5, 0, 1, 40, 13]
+    lp, old, adv, mask = make_inputs((sum(lengths),), torch.float32)
+    kw = dict(loss_agg_mode=mode, cu_seqlens=cu_seqlens_from(lengths) if mode.startswith("seq") else None)
+    outs = []
+    for r in (None, torch.ones_like(lp)):
+        x = lp.clone().requires_grad_()
+        with backend(be):
+            loss, metrics = dk.policy_loss(x, old, adv, mask, rollout_is_weights=r, **kw)
+            outs.append((loss, metrics, torch.autograd.grad(loss, x)[0]))
+    (a, ma, ga), (b, mb, gb) = outs
+    assert torch.equal(a, b) and torch.equal(ga, gb) and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_nan_is_weight_reaches_only_its_token(be):
+    """A NaN weight on a selected token: NaN loss, NaN gradient at that token only, metrics unchanged; on a
+    token the mask selects away: the bits of the clean weights."""
+    torch.manual_seed(0)
+    lp, old, adv, mask = make_inputs((3, 17), torch.float32)
+    adv[adv == 0] = 0.5  # a zero advantage would give the poisoned token a zero gradient (NaN * 0 is kept NaN)
+    r = is_weights(lp.shape, torch.float32)
+
+    def run(weights):
+        x = lp.clone().requires_grad_()
+        with backend(be):
+            loss, metrics = dk.policy_loss(x, old, adv, mask, rollout_is_weights=weights)
+            return loss, metrics, torch.autograd.grad(loss, x)[0]
+
+    clean = run(r)
+    for where in (mask, ~mask):
+        i = tuple(torch.nonzero(where)[0].tolist())
+        bad = r.clone()
+        bad[i] = math.nan
+        loss, metrics, grad = run(bad)
+        others = torch.ones_like(mask)
+        others[i] = False
+        assert torch.equal(grad[others], clean[2][others])
+        assert all(torch.equal(metrics[k], clean[1][k]) for k in metrics)
+        if where is mask:
+            assert loss.isnan() and grad[i].isnan()
+        else:
+            assert torch.equal(loss, clean[0]) and torch.equal(grad, clean[2])
+
+
+@pytest.mark.parametrize("case,exc,value", [
+    ("wrong-shape", ValueError, torch.ones(3, 2)),
+    ("int-dtype", ValueError, torch.ones(2, 3, dtype=torch.long)),
+    ("bool-dtype", ValueError, torch.ones(2, 3, dtype=torch.bool)),
+    ("other-device", ValueError, torch.ones(2, 3, device="meta")),
+    ("flat", ValueError, torch.ones(6)),
+    ("not-a-tensor", TypeError, [[1.0] * 3] * 2),
+])
+def test_bad_is_weights_name_the_argument(case, exc, value):
+    z = torch.zeros(2, 3)
+    with pytest.raises(exc, match="rollout_is_weights"):
+        dk.policy_loss(z, z, z, torch.ones(2, 3, dtype=torch.bool), rollout_is_weights=value)
+
+
+def test_is_weights_are_not_read_on_the_host():
+    """Negative and non-finite weights are not checked: no host read of their values (a GPU sync)."""
+    lp, old, adv, mask = make_inputs((2, 5), torch.float32)
+    r = torch.full((2, 5), -1.0)
+    reads = ("item", "tolist", "__bool__", "__int__", "__float__")
+    with mock.patch.multiple(torch.Tensor, **{n: mock.Mock(side_effect=AssertionError(n)) for n in reads}):
+        neg, _ = dk.policy_loss(lp, old, adv, mask, rollout_is_weights=r)
+        plain, _ = dk.policy_loss(lp, old, adv, mask)
+    assert torch.equal(neg, -plain)

@@ -8,6 +8,9 @@ query_pre_attn_scalar, GELU-tanh, sandwich norms, interleaved sliding / full lay
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -61,3 +64,43 @@ def test_config_round_trips(hf_checkpoint):
     cfg = read_hf_config(path)
     assert config_from_hf(config_to_hf(cfg)) == cfg
     assert cfg.model_type == hf.config.model_type and cfg.head_dim == hf.config.head_dim
+
+
+def test_gemma3_release_dialect_reads_alike(tmp_path):
+    """Released Gemma 3 configs spell the ropes rope_theta / rope_scaling / rope_local_base_freq and the
+    layer pattern sliding_window_pattern (every n-th layer full); both dialects give one ModelConfig."""
+    path = str(tmp_path)
+    make_hf_model(*FAMILIES["gemma3"]).config.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        v5 = json.load(f)
+    ropes = v5["rope_parameters"]
+    full = {k: v for k, v in ropes["full_attention"].items() if k != "rope_theta"}
+    classic = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
+    classic.update(rope_theta=ropes["full_attention"]["rope_theta"], rope_scaling=full, sliding_window_pattern=2,
+                   rope_local_base_freq=ropes["sliding_attention"]["rope_theta"])
+    assert config_from_hf(classic) == read_hf_config(path)
+
+
+@pytest.mark.parametrize("model_type, changes, message", [
+    ("qwen3", dict(use_sliding_window=True), "use_sliding_window"),
+    ("mistral", dict(sliding_window=0), "sliding_window must be an int >= 1"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ("gemma3_text", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    ("gemma3_text", dict(hidden_activation="silu"), "hidden_act 'silu'"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                          "full_attention": {"rope_type": "default"}}), "sliding layers' rope"),
+], ids=["qwen3-window", "mistral-window-0", "gemma-attn-softcap", "gemma-final-softcap", "gemma-act",
+        "gemma-local-rope-scaled"])
+def test_unsupported_family_config_is_named(model_type, changes, message):
+    """What a family's model cannot compute is refused at load, naming the field."""
+    base = dict(model_type=model_type, vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**base, **changes})
+
+
+def test_supported_list_names_the_families():
+    """The error for an unknown model_type lists every family."""
+    with pytest.raises(ValueError, match=r"supported: \['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3'\]"):
+        config_from_hf(dict(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=2))

@@ -108,12 +108,12 @@ class ModelConfig:
                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
 
     def is_sliding(self, layer: int) -> bool:
-        """Whether layer ``layer`` attends within ``sliding_window`` (and uses the local rope)."""
+        """Whether layer ``layer`` attends within ``sliding_window``."""
         return self.sliding_window is not None and (self.layer_types is None or self.layer_types[layer] == SLIDING)
 
     def local_rope(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates with ``rope_local_theta`` instead of the global rope."""
-        return self.rope_local_theta is not None and self.is_sliding(layer)
+        """Whether layer ``layer`` (of type sliding, window or not) rotates with ``rope_local_theta``."""
+        return self.rope_local_theta is not None and (self.layer_types is None or self.layer_types[layer] == SLIDING)
 
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (tied embeddings counted once)."""

@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from dapo_trainer import config_from_hf, config_to_hf, read_hf_config
+from dapo_trainer.config import load_config
+from dapo_trainer.model import FULL, SLIDING
+from dapo_trainer.trainer import DAPOTrainer
 from tests.trainer.test_model import check_gradients, check_logits_and_save, make_hf_model
+from tests.trainer.tiny import micro_setup, write_tiny_model
 
 WINDOW = 5  # shorter than the 12- and 19-token sequences of the parity batches
 # Gradient batches: sequences longer than the window, each within WINDOW - 1 of the longest (transformers pads
@@ -35,6 +39,14 @@ FAMILIES = {
         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+}
+
+# The same families as ModelConfig switches, for trainer runs on write_tiny_model's checkpoints.
+TRAINER_FAMILIES = {
+    "qwen3": dict(model_type="qwen3", qk_norm=True, tie_word_embeddings=True),
+    "gemma3": dict(model_type="gemma3_text", qk_norm=True, norm_unit_offset=True, hidden_act="gelu_pytorch_tanh",
+                   embed_scale=True, sandwich_norms=True, query_pre_attn_scalar=24, sliding_window=4,
+                   layer_types=(SLIDING, FULL), rope_local_theta=1e4, tie_word_embeddings=True),
 }
 
 
@@ -97,6 +109,20 @@ def test_unsupported_family_config_is_named(model_type, changes, message):
                 num_attention_heads=2, head_dim=8)
     with pytest.raises(ValueError, match=message):
         config_from_hf({**base, **changes})
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_on_policy_trainer_step(tmp_path, family):
+    """A DAPO step on a tiny Qwen3 / Gemma 3 checkpoint: the sampler's log-probs are the trainer's
+    (one mini-batch, one epoch: nothing clips, ppo_kl ~ 0) and the checkpoint it saves reloads."""
+    overrides = micro_setup(str(tmp_path)) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
+                                              "data.val_files=[]", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                              "trainer.save_freq=1"]
+    write_tiny_model(os.path.join(tmp_path, "model"), layers=2, **TRAINER_FAMILIES[family])
+    m = DAPOTrainer(load_config(overrides=overrides)).fit()
+    assert m["actor/pg_clipfrac"] == 0.0 and abs(m["actor/ppo_kl"]) < 1e-5
+    saved = read_hf_config(os.path.join(tmp_path, "run", "checkpoints", "global_step_1", "model"))
+    assert saved == read_hf_config(os.path.join(tmp_path, "model"))
 
 
 def test_supported_list_names_the_families():

@@ -14,10 +14,11 @@ from typing import Callable, Dict, Iterable, Optional
 
 import torch
 
-from .model import ROPE_TYPES, ModelConfig, Transformer
+from .families import ARCHITECTURES, family_fields, family_to_hf, hidden_act, supported_act
+from .model import FULL, ROPE_TYPES, SLIDING, ModelConfig, Transformer
 from .readers import read_json
 
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = ARCHITECTURES
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
@@ -28,12 +29,20 @@ _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 # --------------------------------------------------------------------------- config
-def _rope_from_hf(cfg: dict, source: str = "config.json") -> tuple:
-    """(rope_theta, rope_scaling or None) from either config dialect."""
+def _rope_from_hf(cfg: dict, source: str = "config.json", local: bool = False) -> tuple:
+    """(rope_theta, rope_scaling or None, local rope_theta or None) from either config dialect;
+    ``local``: the family gives its sliding layers an unscaled rope of their own (Gemma 3)."""
     params = cfg.get("rope_parameters")
+    local_theta = cfg.get("rope_local_base_freq", 10000.0) if local else None
     if isinstance(params, dict) and params:
         if "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
-            # Per-layer-type rope (transformers 5); the families here use one for all layers.
+            if local and {SLIDING, FULL} <= set(params):
+                sliding = params[SLIDING]
+                if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+                    raise ValueError(f"{source}: the sliding layers' rope must be 'default', got {sliding}")
+                local_theta = sliding.get("rope_theta", local_theta)
+                params = {FULL: params[FULL]}
+            # Per-layer-type rope (transformers 5); the families here use one for all (global) layers.
             distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
             if len(distinct) != 1:
                 raise ValueError(f"{source}: rope_parameters differ between layer types {sorted(params)}; "
@@ -59,11 +68,11 @@ def _rope_from_hf(cfg: dict, source: str = "config.json") -> tuple:
     missing = [k for k in need.get(kind, ()) if k not in scaling]
     if missing:
         raise ValueError(f"{source}: rope type {kind!r} needs {missing} in its rope parameters")
-    return float(theta), (None if kind == "default" else scaling)
+    return float(theta), (None if kind == "default" else scaling), None if local_theta is None else float(local_theta)
 
 
 def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
-    """:class:`ModelConfig` from a parsed ``config.json`` dict (Llama or Qwen2).
+    """:class:`ModelConfig` from a parsed ``config.json`` dict (a family of :data:`SUPPORTED_MODEL_TYPES`).
 
     Raises ValueError naming ``source`` (the file) and the architecture or field that is unsupported,
     missing or of the wrong type (sizes must be ints >= 1).
@@ -87,11 +96,10 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         v = cfg.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{source}: {k} must be an int >= 1, got {type(v).__name__} {v!r}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
-    if model_type == "qwen2" and cfg.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+    act = hidden_act(model_type, cfg)
+    if act != supported_act(model_type):
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported ({model_type} needs "
+                         f"{supported_act(model_type)!r})")
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     # Without head_dim, HF's models split hidden_size evenly over the heads: a remainder is no model.
@@ -99,12 +107,8 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
             and hidden % heads):
         raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                          f"(and no head_dim is given), so the heads cannot split it")
-    theta, scaling = _rope_from_hf(cfg, source)
-    if model_type == "qwen2":
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    else:
-        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-        mlp_bias = bool(cfg.get("mlp_bias", False))
+    fields = family_fields(model_type, cfg, source)
+    theta, scaling, local_theta = _rope_from_hf(cfg, source, local=model_type == "gemma3_text")
     return ModelConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -116,13 +120,14 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
+        rope_local_theta=local_theta,
+        hidden_act=act,
+        pad_token_id=pad if isinstance(pad := cfg.get("pad_token_id"), int) and 0 <= pad < cfg["vocab_size"] else None,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         model_type=model_type,
         hf_config=copy.deepcopy(cfg),
+        **fields,
     )
 
 
@@ -143,17 +148,16 @@ def config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        hidden_act="silu",
+        hidden_act=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
         rope_scaling=copy.deepcopy(cfg.rope_scaling),
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings,
     )
-    if cfg.model_type == "llama":
-        if cfg.qkv_bias != cfg.o_bias:
-            raise ValueError("a llama config has one attention_bias for q/k/v and o; got different flags")
-        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    out.update(family_to_hf(cfg))
     if dtype is not None:
         # transformers < 5 reads "torch_dtype", 5.x "dtype"; keep both in step.
         out["torch_dtype"] = str(dtype).replace("torch.", "")

@@ -13,8 +13,10 @@ adaptive sampling's generation batch (:func:`dapo_trainer.adaptive_sampling.gen_
   the layer input, the two RMSNorms' normalised values and outputs, the attention residual
   (6 H), q and k after RoPE (RoPE's products by cos / sin keep only cos / sin), v and the attention
   output (2 q + 2 kv: q = heads x head_dim, kv = kv_heads x head_dim), gate, up, silu(gate) and
-  their product (4 I);
-  the embedding and final norm add 3 H and RoPE's cos / sin 2 head_dim. With activation
+  their product (4 I); families add their norms' (q / k norm: 2 q + 2 kv; Gemma's two more
+  norms: 4 H) and Gemma's embedding scale H;
+  the embedding and final norm add 3 H and RoPE's cos / sin 2 head_dim per rope table (Gemma 3's
+  sliding layers have their own). With activation
   checkpointing a layer keeps only its input (H), and one layer is recomputed at a time in the
   backward; activation offload moves the kept inputs to host memory;
 * ``backward``: the gradient of the residual stream entering the backward (2 H per token);
@@ -74,10 +76,15 @@ def activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, checkpointing
     """``{"kept": bytes per token kept for the backward, "layer": one layer's full set}``."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-    layer = (6 * H + 2 * q + 2 * kv + 4 * I) * dtype_bytes
-    outer = (3 * H + 2 * D) * dtype_bytes
+    layer = (6 * H + 4 * H * cfg.sandwich_norms + (2 + 2 * cfg.qk_norm) * (q + kv) + 4 * I) * dtype_bytes
+    outer = (3 * H + H * cfg.embed_scale + 2 * D * rope_tables(cfg)) * dtype_bytes
     kept = cfg.num_layers * (H * dtype_bytes if checkpointing else layer) + outer
     return {"kept": kept, "layer": layer}
+
+
+def rope_tables(cfg: ModelConfig) -> int:
+    """How many cos / sin tables a forward computes (2 when sliding layers have a rope of their own)."""
+    return len({cfg.local_rope(i) for i in range(cfg.num_layers)})
 
 
 def stage_params(cfg: ModelConfig, pp: int = 1, rank: int = 0) -> int:
@@ -123,7 +130,7 @@ def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "
             - (0 if last else 3 * H * b) + (0 if last else H * b))
     kept -= layers * H * b if offload and checkpointing else 0
     activations = in_flight(pp, v, rank, micro_batches) * t * kept + (t * act["layer"] if checkpointing else 0)
-    activations += (tokens - t) * 2 * cfg.head_dim * b  # SP: the other ranks' rows of cos / sin
+    activations += (tokens - t) * 2 * cfg.head_dim * rope_tables(cfg) * b  # SP: the other ranks' rows of cos / sin
     rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
     largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp) / par.fsdp
     # FSDP2's unsharded units on this rank: its stage's root (embedding / norm + lm_head) and two layers.

@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama / Qwen2 families on packed sequences.
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 families on packed sequences.
 
 One plain model file in the spirit of gpt-fast: parameter names follow Hugging Face
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ...) so checkpoints map one to one
@@ -29,6 +29,8 @@ from dapo_kernels.validation import FLOAT_DTYPES, INT_DTYPES, check_cu_seqlens, 
 from .offload import offload_scope
 
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def _npu():  # Ascend fused kernels (None outside their limits); imported only for NPU tensors
@@ -38,11 +40,20 @@ def _npu():  # Ascend fused kernels (None outside their limits); imported only f
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama / Qwen2 decoder (what ``config.json`` says).
+    """Shape and numerics of a Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 decoder (what ``config.json`` says).
 
     ``rope_scaling`` is None or a dict with ``rope_type`` in :data:`ROPE_TYPES`
     ("linear": ``factor``; "llama3": ``factor``, ``low_freq_factor``,
     ``high_freq_factor``, ``original_max_position_embeddings``).
+    Family switches: ``qk_norm`` (Qwen3, Gemma 3: RMSNorm over ``head_dim`` of q and k before RoPE),
+    ``norm_unit_offset`` (Gemma: RMSNorm scales by ``1 + weight``), ``hidden_act`` (the MLP gate's
+    activation, :data:`ACTIVATIONS`), ``embed_scale`` (Gemma: embeddings times ``sqrt(hidden_size)``),
+    ``sandwich_norms`` (Gemma: attention and MLP outputs normalised too, MLP input by its own norm),
+    ``query_pre_attn_scalar`` (softmax scale ``scalar ** -0.5``; None: ``head_dim``),
+    ``attn_logit_softcapping`` (scores ``c * tanh(s / c)``), ``sliding_window`` (a query sees the last
+    ``sliding_window`` positions, itself included; None: all) on the layers ``layer_types`` marks
+    ``"sliding_attention"`` (None: all layers), whose RoPE base is ``rope_local_theta`` (unscaled;
+    None: the global rope). The embedding row ``pad_token_id`` gets no gradient (transformers' ``padding_idx``).
     ``hf_config`` keeps the checkpoint's own ``config.json`` so that saving writes back
     every field we do not model (token ids, generation settings, ...).
     """
@@ -62,6 +73,17 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    qk_norm: bool = False
+    norm_unit_offset: bool = False
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    sliding_window: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None
+    rope_local_theta: Optional[float] = None
+    pad_token_id: Optional[int] = None
     model_type: str = "llama"
     hf_config: Optional[dict] = field(default=None, repr=False, compare=False)
 
@@ -75,6 +97,23 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, minimum=1)
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {SLIDING, FULL}:
+                raise ValueError(f"layer_types must name {SLIDING!r} or {FULL!r} for each of the "
+                                 f"{self.num_layers} layers, got {list(self.layer_types)}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within ``sliding_window``."""
+        return self.sliding_window is not None and (self.layer_types is None or self.layer_types[layer] == SLIDING)
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` (of type sliding, window or not) rotates with ``rope_local_theta``."""
+        return self.rope_local_theta is not None and (self.layer_types is None or self.layer_types[layer] == SLIDING)
 
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameter count (tied embeddings counted once)."""
@@ -82,19 +121,21 @@ class ModelConfig:
         q, kv = self.num_heads * D, self.num_kv_heads * D
         attn = H * (q + 2 * kv) + q * H + (q + 2 * kv) * self.qkv_bias + H * self.o_bias
         mlp = 3 * H * self.intermediate_size + (2 * self.intermediate_size + H) * self.mlp_bias
-        n = self.num_layers * (attn + mlp + 2 * H) + H
+        norms = (4 if self.sandwich_norms else 2) * H + 2 * D * self.qk_norm
+        n = self.num_layers * (attn + mlp + norms) + H
         if embeddings:
             n += self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
         return n
 
 
 # --------------------------------------------------------------------------- rotary
-def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32, with Llama 3 / linear scaling."""
-    D = cfg.head_dim
+def rope_inv_freq(cfg: ModelConfig, device=None, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32, with Llama 3 / linear scaling (``local``:
+    the sliding layers' unscaled ``rope_local_theta``)."""
+    D, theta = cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta
     # Same expression as the reference implementations, so fp32 results agree bitwise.
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
-    s = cfg.rope_scaling or {}
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    s = {} if local else cfg.rope_scaling or {}
     kind = s.get("rope_type", "default")
     if kind == "linear":
         return inv / s["factor"]
@@ -113,12 +154,19 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv
 
 
-def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype,
+                 local: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[T, head_dim]`` in ``dtype``, computed in float32 from ``position_ids [T]``."""
-    inv = rope_inv_freq(cfg, position_ids.device)
+    inv = rope_inv_freq(cfg, position_ids.device, local)
     freqs = position_ids.float()[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def layer_ropes(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype, layers) -> list:
+    """(cos, sin) of each layer index in ``layers``; each distinct table is computed once."""
+    tables = {local: rope_cos_sin(cfg, position_ids, dtype, local) for local in {cfg.local_rope(i) for i in layers}}
+    return [tables[cfg.local_rope(i)] for i in layers]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,18 +180,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # --------------------------------------------------------------------------- blocks
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm over the last dim; scales by ``weight`` or, with ``unit_offset`` (Gemma), ``1 + weight``."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "npu" and (y := _npu().rms_norm(x, self.weight, self.eps)) is not None:
+        if (x.device.type == "npu" and not self.unit_offset
+                and (y := _npu().rms_norm(x, self.weight, self.eps)) is not None):
             return y
-        # Normalise in fp32 even for bf16 activations; scale after casting back, as the
-        # checkpoints were trained.
+        # Normalise in fp32 even for bf16 activations; scale after casting back (Gemma: before), as
+        # the checkpoints were trained.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -152,9 +205,14 @@ class VarlenAttention(nn.Module):
     [T, D], cu_seqlens, max_seqlen) -> [T, q heads, D]``; no parameters (what sequence parallelism
     replaces)."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, softmax_scale: Optional[float] = None, window: Optional[int] = None,
+                 softcap: Optional[float] = None):
         super().__init__()
         self.head_dim = head_dim
+        self.softmax_scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        # A query sees itself and the window - 1 keys before it (transformers' kv > q - window).
+        self.window_size = (-1, -1) if window is None else (window - 1, 0)
+        self.softcap = softcap or 0.0
 
     def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int):
         q, k = self.rotate(q, k, cos, sin)
@@ -165,12 +223,13 @@ class VarlenAttention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def attend(self, q, k, v, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        """Attention of rotated q, k: every query sees the keys of its sequence up to itself."""
-        return dk.varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=self.head_dim ** -0.5)
+        """Attention of rotated q, k: every query sees the keys of its sequence up to itself (within the window)."""
+        return dk.varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=self.softmax_scale,
+                                   window_size=self.window_size, softcap=self.softcap)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.head_dim = D
@@ -178,14 +237,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=cfg.o_bias)
-        self.inner_attention = VarlenAttention(D)
+        if cfg.qk_norm:  # one [head_dim] weight shared by all heads
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        scalar = cfg.query_pre_attn_scalar
+        self.inner_attention = VarlenAttention(D, None if scalar is None else scalar ** -0.5,
+                                               cfg.sliding_window if cfg.is_sliding(layer) else None,
+                                               cfg.attn_logit_softcapping)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
+    def project(self, x):
+        """q, k, v ``[T, heads, D]`` of ``x [T, H]`` (q and k normalised per head where the family does)."""
         T, D = x.shape[0], self.head_dim
         # Head counts come from the weight shapes (a tensor-parallel rank holds a slice of the heads).
         q, k, v = (proj(x).view(T, -1, D) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
+        q, k, v = self.project(x)
         o = self.inner_attention(q, k, v, cos, sin, cu_seqlens, max_seqlen)
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -195,24 +267,42 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if x.device.type == "npu" and (y := _npu().swiglu(gate, up)) is not None:
+        if self.act == "silu" and x.device.type == "npu" and (y := _npu().swiglu(gate, up)) is not None:
             return self.down_proj(y)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm block; with ``sandwich_norms`` (Gemma) ``post_attention_layernorm`` normalises the
+    attention output and ``pre_`` / ``post_feedforward_layernorm`` wrap the MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        H, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        self.input_layernorm = RMSNorm(H, eps, offset)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(H, eps, offset)
         self.mlp = MLP(cfg)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(H, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(H, eps, offset)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+        return self.feed_forward(self.add_attention(x, self.self_attn(self.input_layernorm(x), cos, sin,
+                                                                      cu_seqlens, max_seqlen)))
+
+    def add_attention(self, x, attn_out):
+        """The residual stream ``x`` plus the attention block's output (o_proj's)."""
+        return x + (self.post_attention_layernorm(attn_out) if hasattr(self, "pre_feedforward_layernorm") else attn_out)
+
+    def feed_forward(self, x):
+        """``x`` plus the MLP block's output."""
+        if hasattr(self, "pre_feedforward_layernorm"):
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -230,7 +320,7 @@ class LMHead(nn.Linear):
 
 # --------------------------------------------------------------------------- model
 class Transformer(nn.Module):
-    """Llama / Qwen2 decoder on packed tokens.
+    """Decoder of any :class:`ModelConfig` family on packed tokens.
 
     ``model(input_ids, cu_seqlens, max_seqlen)`` returns the hidden states after the
     final norm; the vocabulary projection ``lm_head.weight [V, H]`` is applied by
@@ -246,9 +336,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -257,15 +347,22 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> "Transformer":
-        """Random init as the HF reference models do (normal(0, std), zero biases, unit norms)."""
+        """Random init as the HF reference models do (normal(0, std), zero biases, norms scaling by 1)."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 m.weight.normal_(0.0, std)
                 if getattr(m, "bias", None) is not None:
                     m.bias.zero_()
             elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+                m.weight.fill_(0.0 if m.unit_offset else 1.0)
         return self
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]`` (Gemma: times ``sqrt(hidden_size)`` rounded to their dtype)."""
+        h = self.embed_tokens(input_ids)
+        if not self.config.embed_scale:
+            return h
+        return h * torch.tensor(self.config.hidden_size ** 0.5).to(h.dtype)
 
     def forward(
         self,
@@ -298,13 +395,13 @@ class Transformer(nn.Module):
         else:
             check_tensor("position_ids", position_ids, dtypes=INT_DTYPES, device=input_ids.device, shape=(T,))
 
-        h = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.config, position_ids, h.dtype)
+        h = input_ids if self.embed_tokens is None else self.embed(input_ids)
+        ropes = layer_ropes(self.config, position_ids, h.dtype, [int(i) for i in self.layers])
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         # Offload acts on what the checkpoints save: each layer's input (the layer's own
         # activations are recomputed, not saved).
         with offload_scope(self.activation_offload if recompute else None):
-            for layer in self.layers.values():
+            for layer, (cos, sin) in zip(self.layers.values(), ropes):
                 if recompute:
                     h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
                 else:

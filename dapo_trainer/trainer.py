@@ -111,7 +111,8 @@ def find_resume_dir(cfg: Config, ckpt_root: str) -> Optional[str]:
 
 # The ModelConfig fields that fix the parameters' shapes and the model's function.
 _ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings")
+                 "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings", "qk_norm",
+                 "norm_unit_offset", "hidden_act", "sandwich_norms", "sliding_window", "layer_types")
 
 
 def check_resume_model(model_path: str, resume_dir: str) -> None:

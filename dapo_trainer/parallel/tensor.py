@@ -164,6 +164,9 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
             raise ValueError(f"{name} ({getattr(cfg, name)}) must be divisible by the tensor-parallel size {tp}")
     if tp == 1:
         return model
+    if cfg.qk_norm:  # each rank's heads give a partial gradient of the shared [head_dim] norm weights
+        raise ValueError(f"model_type {cfg.model_type!r}: q/k norm under tensor parallelism is not supported yet "
+                         "(its weight gradients would need a sum over the tensor-parallel group)")
     for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
         for block, cols, row in ((attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),

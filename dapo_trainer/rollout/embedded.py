@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import dapo_kernels as dk
 
-from ..model import Transformer, apply_rope, rope_cos_sin
+from ..model import Transformer, layer_ropes
 from ..parallel.collectives import collective_device, gather_from_tp
 from ..parallel.tensor import tensor_parallel_group
 from .base import (FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput,
@@ -312,20 +312,16 @@ class EmbeddedRollout(RolloutEngine):
         S = max_len + max_new_tokens
         pos_ids = dk.packed_position_ids(cu, ids.shape[0])
         seq_of = torch.arange(len(prompts), device=dev).repeat_interleave(lengths)
-        h = model.embed_tokens(ids)
-        cos, sin = rope_cos_sin(cfg, pos_ids, h.dtype)
+        h = model.embed(ids)
         caches = []
-        for layer in model.layers.values():
+        ropes = layer_ropes(cfg, pos_ids, h.dtype, [int(i) for i in model.layers])
+        for layer, (cos, sin) in zip(model.layers.values(), ropes):
             with _gathered(layer):
-                attn = layer.self_attn
-                x = layer.input_layernorm(h)
-                D = attn.head_dim
-                q = apply_rope(attn.q_proj(x).view(x.shape[0], -1, D), cos, sin)
-                k = apply_rope(attn.k_proj(x).view(x.shape[0], -1, D), cos, sin)
-                v = attn.v_proj(x).view(x.shape[0], -1, D)
-                o = dk.varlen_attention(q, k, v, cu, max_len, causal=True, softmax_scale=D ** -0.5)
-                h = h + attn.o_proj(o.reshape(x.shape[0], -1))
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                attn, D = layer.self_attn, layer.self_attn.head_dim
+                q, k, v = attn.project(layer.input_layernorm(h))
+                q, k = attn.inner_attention.rotate(q, k, cos, sin)
+                o = attn.inner_attention.attend(q, k, v, cu, max_len)
+                h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o.reshape(h.shape[0], -1))))
             ck = k.new_zeros(len(prompts), k.shape[1], S, D)
             cv = torch.zeros_like(ck)
             ck[seq_of, :, pos_ids] = k
@@ -346,26 +342,30 @@ class EmbeddedRollout(RolloutEngine):
             self._join_layer_gathers()
             return torch.zeros(0, model.config.hidden_size, device=tok.device)
         rows = torch.arange(N, device=tok.device)
-        h = model.embed_tokens(tok)
-        cos, sin = rope_cos_sin(model.config, pos, h.dtype)
-        masked = torch.arange(width, device=tok.device)[None, :] > pos[:, None]
-        bias = torch.zeros(N, width, dtype=h.dtype, device=h.device).masked_fill_(masked, float("-inf"))
-        for layer, (ck, cv) in zip(model.layers.values(), caches):
+        h = model.embed(tok)
+        ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
+        col = torch.arange(width, device=tok.device)[None, :]
+        for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
             with _gathered(layer):
-                attn = layer.self_attn
-                D = attn.head_dim
-                x = layer.input_layernorm(h)
-                q = apply_rope(attn.q_proj(x).view(N, -1, D), cos, sin)
-                ck[rows, :, pos] = apply_rope(attn.k_proj(x).view(N, -1, D), cos, sin)
-                cv[rows, :, pos] = attn.v_proj(x).view(N, -1, D)
-                kv_heads = ck.shape[1]
+                attn, D = layer.self_attn, layer.self_attn.head_dim
+                inner = attn.inner_attention
+                q, k, v = attn.project(layer.input_layernorm(h))
+                q, k = inner.rotate(q, k, cos, sin)
+                ck[rows, :, pos], cv[rows, :, pos] = k, v
+                # Keys after the query, or before its window (varlen_attention's causal window), are hidden.
+                left = inner.window_size[0]
+                hidden = col > pos[:, None]
+                if left >= 0:
+                    hidden |= col < pos[:, None] - left
+                bias = torch.zeros(N, width, dtype=h.dtype, device=h.device).masked_fill_(hidden, float("-inf"))
                 # GQA without repeating K/V: group the query heads that share a KV head.
-                qg = q.view(N, kv_heads, -1, D)
-                scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * D ** -0.5
+                qg = q.view(N, ck.shape[1], -1, D)
+                scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * inner.softmax_scale
+                if inner.softcap:
+                    scores = inner.softcap * torch.tanh(scores / inner.softcap)
                 probs = torch.softmax(scores + bias[:, None, None, :], dim=-1)
                 o = torch.matmul(probs, cv[:, :, :width]).reshape(N, -1)
-                h = h + attn.o_proj(o)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o)))
         return model.norm(h)
 
     def _join_layer_gathers(self) -> None:

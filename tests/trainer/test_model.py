@@ -35,12 +35,12 @@ VARIANTS = {
 }
 
 
-def make_hf_model(variant: str):
-    family, kw = VARIANTS[variant]
+def make_hf_model(family: str, kw: dict):
+    """A random transformers ``{family}ForCausalLM`` (``Gemma3Text``: Gemma3ForCausalLM) of config ``kw``."""
     cfg_cls = getattr(transformers, f"{family}Config")
-    model_cls = getattr(transformers, f"{family}ForCausalLM")
-    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  max_position_embeddings=256, attn_implementation="eager", **kw)
+    model_cls = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")
+    cfg = cfg_cls(**{**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            max_position_embeddings=256, attn_implementation="eager"), **kw})
     model = model_cls(cfg).eval()
     with torch.no_grad():
         # HF init leaves biases at 0 and norms at 1; randomise them so loading them matters.
@@ -56,7 +56,7 @@ def make_hf_model(variant: str):
 def hf_checkpoint(request, tmp_path_factory):
     """(variant, transformers model, checkpoint dir written by save_pretrained)."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = make_hf_model(request.param)
+    hf = make_hf_model(*VARIANTS[request.param])
     hf.save_pretrained(str(path))
     return request.param, hf, str(path)
 
@@ -80,7 +80,12 @@ def ours_logits(model, packed, cu, S):
 
 
 def test_logits_match_transformers_and_survive_save(hf_checkpoint, tmp_path):
-    variant, hf, path = hf_checkpoint
+    check_logits_and_save(*hf_checkpoint, tmp_path)
+
+
+def check_logits_and_save(variant, hf, path, tmp_path):
+    """load_hf_model's logits on packed sequences are transformers' within PARITY_RTOL, and so are those of
+    the sharded checkpoint save_hf_model writes, reloaded by transformers and by load_hf_model."""
     ids, mask, packed, cu, S = random_batch([7, 1, 19, 12])
     ref = hf_logits(hf, ids, mask)
     model = load_hf_model(path)
@@ -121,9 +126,12 @@ GRAD_BATCHES = 3
 
 
 def test_gradients_match_transformers(hf_checkpoint):
+    check_gradients(*hf_checkpoint)
+
+
+def check_gradients(variant, hf, path, lengths=(9, 14, 3)):
     """Parameter gradients against transformers run in float64: our float32 error is at most 2x
     transformers' own float32 error (its eager or sdpa attention, the larger), summed over batches."""
-    variant, hf, path = hf_checkpoint
     model = load_hf_model(path)
     theirs = {n for n, _ in hf.named_parameters()}
     key = {}  # our parameter name -> transformers'
@@ -135,7 +143,7 @@ def test_gradients_match_transformers(hf_checkpoint):
     assert next(hf64.parameters()).dtype == torch.float64
     ours_err = theirs_err = parity = 0.0
     for _ in range(GRAD_BATCHES):
-        batch = random_batch([9, 14, 3])
+        batch = random_batch(list(lengths))
         probe = torch.randn(int(batch[1].sum()), VOCAB)
         ref64, eager, sdpa = (_param_grads(m, batch, probe) for m in (hf64, hf, hf_sdpa))
         model.zero_grad()

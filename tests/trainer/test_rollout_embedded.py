@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dapo_trainer.model import ModelConfig, Transformer
+from dapo_trainer.model import FULL, SLIDING, ModelConfig, Transformer
 from dapo_trainer.rollout import FINISH_LENGTH, FINISH_STOP, RolloutConfig, make_rollout, naive_generate
 from dapo_trainer.rollout.embedded import request_keys, sample_tokens, vocab_uniforms
 from tests.trainer.rollout_checks import V, check_layout, random_prompts, recomputed_log_probs
@@ -30,9 +30,22 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+# Family switches on the tiny model; windows of 4 are shorter than prompt + response.
+FAMILIES = {
+    "llama": {},
+    "qwen3": dict(qk_norm=True, head_dim=24, tie_word_embeddings=True, model_type="qwen3"),
+    "mistral": dict(sliding_window=4, model_type="mistral"),
+    "gemma3": dict(qk_norm=True, norm_unit_offset=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
+                   sandwich_norms=True, query_pre_attn_scalar=24, sliding_window=4, layer_types=(SLIDING, FULL),
+                   rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True, model_type="gemma3_text"),
+    "softcap": dict(attn_logit_softcapping=0.5, sliding_window=4),
+}
+
+
 @pytest.fixture
-def model():
-    return tiny_model()
+def model(request):
+    """The tiny model (Llama; a family of FAMILIES when parametrized indirectly)."""
+    return tiny_model(**FAMILIES[getattr(request, "param", "llama")])
 
 
 @pytest.fixture
@@ -40,6 +53,7 @@ def engine(model):
     return make_rollout(RolloutConfig(name="embedded"), model)
 
 
+@pytest.mark.parametrize("model", list(FAMILIES), indirect=True)
 def test_greedy_matches_argmax_of_full_recomputation(model, engine):
     prompts = random_prompts(5)
     out = engine.generate(prompts, 2, 12, temperature=0.0)
@@ -66,6 +80,7 @@ def test_sampling_equals_naive_loop_with_same_seed(model, engine, temperature, t
     assert (out.log_probs - ref.log_probs).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("model", list(FAMILIES), indirect=True)
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 1.0), (1.3, 0.7), (0.0, 1.0)],
                          ids=["T1", "T0.6", "T1.3-p0.7", "greedy"])
 def test_log_probs_agree_with_linear_log_probs(model, engine, temperature, top_p):

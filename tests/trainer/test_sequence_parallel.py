@@ -103,8 +103,8 @@ def _worker(rank: int, workdir: str):
     torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
 
 
-def _ref_attention(q, k, v, cu_seqlens, max_seqlen, *, causal, softmax_scale):
-    return varlen_attention_ref(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale)[0]
+def _ref_attention(q, k, v, cu_seqlens, max_seqlen, **options):
+    return varlen_attention_ref(q, k, v, cu_seqlens, **options)[0]
 
 
 def _ref_loss(hidden, weight, labels, old, adv, mask, *, num_tokens):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dapo_kernels as dk
+from dapo_kernels.reference.varlen_attention import varlen_attention_ref
 from dapo_trainer import ModelConfig, Transformer, load_hf_model, save_hf_model
 from dapo_trainer.parallel import apply_fsdp, make_mesh, parallelize
 from dapo_trainer.rollout import RolloutConfig, make_rollout
@@ -85,14 +86,9 @@ def _slice(out, lo, hi):
     return {"ids": out["ids"][s:e], "lp": out["lp"][s:e], "len": out["len"][lo * N:hi * N]}
 
 
-def _attention64(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=None):
-    """Causal GQA attention over packed sequences in float64 (dk.varlen_attention takes <= float32)."""
-    T, pos = q.shape[0], torch.arange(q.shape[0])
-    seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff().long())
-    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
-    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    s = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed, -float("inf")).softmax(-1), v).reshape(T, *q.shape[1:])
+def _attention64(q, k, v, cu_seqlens, max_seqlen, **options):
+    """dk.varlen_attention in float64 (the kernel takes <= float32): its float64 reference, any options."""
+    return varlen_attention_ref(q, k, v, cu_seqlens, **options)[0]
 
 
 def _log_probs64(model64, out, temperature, monkeypatch):

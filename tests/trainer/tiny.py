@@ -32,12 +32,13 @@ def write_char_tokenizer(path: str) -> int:
 
 
 def write_tiny_model(path: str, *, hidden: int = 32, layers: int = 1, heads: int = 2, kv_heads: int = 2,
-                     seed: int = 0) -> str:
-    """A random tiny Llama (vocab padded to a multiple of 4 so TP=2 divides it) + the char tokenizer."""
+                     seed: int = 0, **family) -> str:
+    """A random tiny Llama (vocab padded to a multiple of 4 so TP=2 divides it) + the char tokenizer;
+    ``family``: ModelConfig switches of another family (``model_type``, ``qk_norm``, ...)."""
     v = write_char_tokenizer(path)
     cfg = ModelConfig(vocab_size=(v + 3) // 4 * 4, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
-                      max_position_embeddings=256)
+                      max_position_embeddings=256, **family)
     g = torch.random.fork_rng()
     with g:
         torch.manual_seed(seed)

@@ -1,0 +1,75 @@
+"""``benchmarks/gpu/sweep.py``, the optional autotune sweep for the time left in a GPU session, runs end to
+end on the CPU (``--toy``: interpreter, toy sizes) and writes its JSON, markdown table and tile proposal; a
+config whose output is wrong is a FAIL row and never a winner; a budget stop keeps what was measured."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "sweep.py"
+
+
+def _sweep(out, budget, **env_vars):
+    env = dict(os.environ, **env_vars)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--toy", "--commit", "abc1234", "--budget-s",
+                           str(budget)], env=env, capture_output=True, text=True, timeout=budget + 120)
+    return proc, json.loads((out / "sweep.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory):
+    """A whole toy sweep with the forward's BLOCK_N=32 config forced to give twice the right output."""
+    out = tmp_path_factory.mktemp("sweep")
+    return out, *_sweep(out, 400, SWEEP_FAULT="fwd:BLOCK_N=32 w1 s1")
+
+
+def test_sweep_runs_end_to_end_and_writes_its_files(faulty_run):
+    """Every kernel of every toy case has a winner per bucket, the fused loss one per tunable sweep, and the
+    JSON, table, tile proposal and log are written."""
+    out, proc, result = faulty_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result["status"] == "complete" and result["commit"] == "abc1234" and result["toy"] is True
+    won = {(w["kernel"], w["dtype"], w["bucket"]) for w in result["winners"]}
+    for kernel in ("fwd", "dkdv_dq", "dkdv", "dq"):
+        for dtype in ("bfloat16", "float16"):
+            assert {(kernel, dtype, "L32-T64"), (kernel, dtype, "L64-T128")} <= won, (kernel, dtype, won)
+    assert ("fused_loss", "bfloat16", "N64") in won
+    table = (out / "sweep.md").read_text()
+    assert "| kernel | dtype | D | mask | bucket | config | ms |" in table
+    assert "| dq | float16 | 16 | full softcap30" in table
+    assert (out / "sweep_tiles.diff").read_text().startswith("no table config timed")
+    assert (out / "sweep.log").stat().st_size > 0
+
+
+def test_a_wrong_config_is_a_fail_row_and_never_a_winner(faulty_run):
+    """The forced-wrong forward config fails its check against the float64 reference, is never timed, and every
+    forward winner is the other config; the configs of the other kernels still pass their checks."""
+    _, _, result = faulty_run
+    fails = [r for r in result["rows"] if r["status"] == "FAIL"]
+    assert {(r["kernel"], r["config"], r["bucket"]) for r in fails} == {("fwd", "BLOCK_N=32 w1 s1", "check")}, fails
+    assert all(r["err_over_bound"] > 1 for r in fails)
+    assert not any(r.get("ms") is not None for r in result["rows"] if r["config"] == "BLOCK_N=32 w1 s1"
+                   and r["kernel"] == "fwd")
+    fwd = [w["config"] for w in result["winners"] if w["kernel"] == "fwd"]
+    assert fwd and set(fwd) == {"BLOCK_N=16 w1 s1"}, fwd
+    checks = [r for r in result["rows"] if r["bucket"] == "check" and r["kernel"] != "fwd"]
+    assert checks and all(r["status"] == "ok" and r["err_over_bound"] <= 1 for r in checks)
+
+
+def test_the_budget_stop_keeps_what_was_measured(tmp_path):
+    """A budget too short for the whole sweep stops it cleanly (a 'stopped' row, no row after it, exit 0) and
+    the files still carry the configs timed before the stop and their winners."""
+    proc, result = _sweep(tmp_path, 25)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result["status"] == "stopped by the budget", result["status"]
+    statuses = [r["status"] for r in result["rows"]]
+    assert statuses.count("stopped") == 1 and statuses[-1] == "stopped", statuses
+    timed = [r for r in result["rows"] if r.get("ms") is not None]
+    assert timed and result["winners"], result["rows"]
+    assert result["seconds"] < 25 + 30
+    assert "fused_loss" not in {r["kernel"] for r in result["rows"]}  # (the stop came before it)
+    assert "| fwd | bfloat16 | 16 | causal |" in (tmp_path / "sweep.md").read_text()

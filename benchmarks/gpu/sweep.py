@@ -9,17 +9,18 @@ whole group is killed, and the rows it appended to a JSONL file as they came sti
 worker itself stops cleanly when the time left is under twice its slowest config so far (``budget`` note).
 
 Attention (``dapo_kernels.ops.varlen_attention``), per case (dtype, D, mask) of ``CASES`` and per bucket
-(max_seqlen, total tokens) of ``BUCKETS``, rounded as the autotune keys round them (``tiles._length_buckets``):
-``fwd`` (the pointer rows, on sm_90 16-bit also the descriptor rows ``tma_fwd`` / ``tma_fwd_plain`` and the
-candidate ``WARP_SPEC`` configs at 4 warps, NOTES.md's last section), ``dkdv_dq`` (dK/dV adding dQ by atomics,
-``deterministic=False``), ``dkdv`` and ``dq`` (``deterministic=True``). A config is forced by giving its
-autotuner that one config (Triton's autotuner runs a single config without pruning or timing); the outer block
-stays the table's. Each time is the whole launcher pass (fwd, or bwd: delta + dK/dV [+ dQ]), the kernels not
-swept at their own autotuned pick, so configs of one kernel differ only in that kernel. Correctness: every
-config first runs a ragged check problem of the case (partial blocks, a 1-token sequence) against a float64
-reference; error within 2x the same math's in the input dtype (the project rule, floored at eps * max|ref|),
-else a FAIL row, never timed, never a winner. Timed outputs must also be finite. (An fp64 reference at
-128k tokens would eat the budget: the check problem is up to 1,764 tokens.)
+(max_seqlen, total tokens) of ``BUCKETS``, rounded as the autotune keys round them
+(``tiles._length_buckets``): ``fwd`` (the pointer rows, on sm_90 16-bit also the descriptor rows ``tma_fwd`` /
+``tma_fwd_plain`` and the candidate ``WARP_SPEC`` configs at 4 warps, NOTES.md's last section, timed after
+every table config), ``dkdv_dq`` (dK/dV adding dQ by atomics, ``deterministic=False``), ``dkdv`` and ``dq``
+(``deterministic=True``). A config is forced by giving its autotuner that one config (Triton's autotuner runs
+a single config without pruning or timing); the outer block stays the table's. Each time is the whole launcher
+pass (fwd, or bwd: delta + dK/dV [+ dQ]), the kernels not swept at their own autotuned pick, so configs of one
+kernel differ only in that kernel. Correctness: every config first runs a ragged check problem of the case
+(partial blocks, a 1-token sequence) against a float64 reference; error within 2x the same math's in the input
+dtype (the project rule, floored at eps * max|ref|), else a FAIL row, never timed, never a winner. Timed
+outputs must also be finite. (An fp64 reference at 128k tokens would eat the budget: the check problem is up
+to 1,764 tokens.)
 
 Fused loss (``linear_log_probs``): its tunables are module constants, not autotuned: the row chunk
 (``_CHUNK_BYTES``: fp32 logits per GEMM unit), the elementwise kernels' vocab block (``_MAX_BLOCK_V``) and
@@ -229,9 +230,12 @@ def _within(ours, ref, plain):
     return worst <= 1.0, worst
 
 
-def sweep_attention(sw: Sweep, case) -> None:
+def sweep_attention(sw: Sweep, case, candidates: bool = False) -> None:
+    """Every table config of the case's kernels, or (``candidates``) only the configs beyond the tables."""
     import torch
     from dapo_kernels.ops.varlen_attention import tiles
+    if candidates and sw.toy:  # (the interpreter has no candidate configs)
+        return
     dtype_name, d, causal, window, softcap = case
     dtype = getattr(torch, dtype_name)
     mask = _mask_name(causal, window, softcap)
@@ -246,6 +250,8 @@ def sweep_attention(sw: Sweep, case) -> None:
     packs = {}
     for kernel in kernels:
         for label, tuner, config, table, tile in _configs(kernel, dtype, d, local, softcap > 0, sw.toy):
+            if (table is None and not sw.toy) != candidates:
+                continue
             key = dict(kernel=kernel, dtype=dtype_name, D=d, mask=mask, config=label, table=table, tile=tile,
                        candidate=table is None and not sw.toy)
             if not sw.time_left():
@@ -329,11 +335,12 @@ def worker(jsonl: str, toy: bool, budget: float) -> int:
     if toy:
         os.environ["TRITON_INTERPRET"] = "1"
     sw = Sweep(jsonl, toy, budget)
-    # The most common case first, then the fused loss (cheap), then the other attention cases.
-    for i, case in enumerate(CASES):
+    # The most common case first, then the fused loss (cheap), then the other attention cases; the candidates
+    # beyond the tables last (Triton 3.9 fails to warp-specialise this forward: NOTES.md, last section).
+    for i, case in [*enumerate(CASES), *((-1, c) for c in CASES)]:
         with sw.section(kernel="attention", dtype=case[0], D=case[1], mask=_mask_name(*case[2:]), bucket="-",
-                        config="setup"):
-            sweep_attention(sw, case)
+                        config="setup" if i >= 0 else "candidates setup"):
+            sweep_attention(sw, case, candidates=i < 0)
         if i == 0:
             with sw.section(kernel="fused_loss", dtype="bfloat16", D=LOSS_H, mask="-", bucket="-", config="setup"):
                 sweep_fused_loss(sw)

@@ -73,3 +73,32 @@ def test_the_budget_stop_keeps_what_was_measured(tmp_path):
     assert result["seconds"] < 20 + 30
     assert len(timed) < 2 * 4 * 2 * 2 + 4  # (the whole toy sweep: 2 cases x 4 kernels x 2 configs x 2 buckets + loss)
     assert "| fwd | bfloat16 | 16 | causal |" in (tmp_path / "sweep.md").read_text()
+
+
+def test_the_tile_proposal_keeps_the_winners_and_drops_configs_that_never_won():
+    """Per table row and head dim, the proposal lists the configs that won a bucket (most wins first) and drops
+    offered configs timed without a win; a config with a FAIL row anywhere is no winner even where it was fastest;
+    a winning candidate beyond the tables is named, not written into a row."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu import sweep
+    from dapo_kernels.ops.varlen_attention import tiles
+
+    outer, offered = tiles._GPU_TILES["fwd", 90, 2][128]
+    assert len(offered) >= 2, offered
+    slow, fast = offered[0], offered[1]
+
+    def row(tile, bucket, ms, status="ok", table=("fwd", 90, 2)):
+        return dict(kernel="fwd", dtype="bfloat16", D=128, mask="causal", config=f"cfg {tile}", table=table,
+                    tile=list(tile), candidate=table is None, bucket=bucket, ms=ms, status=status)
+    rows = [row(slow, "L1024-T16384", 2.0), row(fast, "L1024-T16384", 1.0),
+            row(slow, "L32768-T131072", 2.0), row(fast, "L32768-T131072", 1.0),
+            row((16, 4, 1), "L1024-T16384", 0.1, table=None), row((16, 4, 1), "L32768-T131072", None, "FAIL", None),
+            row((32, 4, 2), "L32768-T131072", 0.5, table=None)]
+    best = sweep.winners(rows)
+    assert best["fwd", "bfloat16", 128, "causal", "L1024-T16384"]["config"] == f"cfg {fast}"
+    assert best["fwd", "bfloat16", 128, "causal", "L32768-T131072"]["config"] == "cfg (32, 4, 2)"
+    diff = sweep.tiles_diff(rows, best)
+    assert f"-('fwd', 90, 2)[128]: ({outer}, {tuple(offered)})" in diff
+    assert f"+('fwd', 90, 2)[128]: ({outer}, {(fast, *offered[2:])})" in diff, diff
+    assert "candidate beyond the tables won fwd bfloat16 D=128 causal L32768-T131072: cfg (32, 4, 2)" in diff
+    assert "(16, 4, 1)" not in diff

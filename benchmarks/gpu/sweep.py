@@ -194,7 +194,7 @@ def _configs(kernel: str, dtype, d: int, local: bool, softcap: bool, toy: bool):
     key = (row, arch, dtype.itemsize)
     key = key if key in tiles._GPU_TILES else (row.removesuffix("_softcap").removesuffix("_masked"), *key[1:])
     return [(f"{inner}={bn} w{w} s{s}", tuner, triton.Config({inner: bn}, num_warps=w, num_stages=s), key, (bn, w, s))
-            for bn, w, s in tiles._GPU_TILES[key][tiles._tile_dim(d)][1]]
+            for bn, w, s in tiles._GPU_TILES[key].get(tiles._tile_dim(d), (0, ()))[1]]  # (no row: none offered)
 
 
 @contextlib.contextmanager

@@ -302,11 +302,11 @@ def sweep_fused_loss(sw: Sweep) -> None:
 
     defaults = {name: getattr(llp, name) for name in LOSS_TUNABLES}
     for n in LOSS_N:
-        g = torch.Generator(device="cpu").manual_seed(n)
-        hidden = torch.randn(n, LOSS_H, generator=g).bfloat16().to(sw.device)
-        weight = (torch.randn(LOSS_V, LOSS_H, generator=g) * 2 / LOSS_H ** 0.5).bfloat16().to(sw.device)
-        labels = torch.randint(0, LOSS_V, (n,), generator=g).to(sw.device)
-        old, adv = (-3 * torch.rand(n, generator=g)).to(sw.device), torch.randn(n, generator=g).to(sw.device)
+        kw = dict(generator=torch.Generator(device=sw.device).manual_seed(n), device=sw.device)  # (drawn there)
+        hidden = torch.randn(n, LOSS_H, **kw).bfloat16()
+        weight = (torch.randn(LOSS_V, LOSS_H, **kw) * 2 / LOSS_H ** 0.5).bfloat16()  # logits of std ~2
+        labels = torch.randint(0, LOSS_V, (n,), **kw)
+        old, adv = -3 * torch.rand(n, **kw), torch.randn(n, **kw)
         inputs = (hidden, weight, labels, old, adv, torch.ones(n, dtype=torch.bool, device=sw.device))
         with dk.use_backend("torch"):
             ref = step(inputs)

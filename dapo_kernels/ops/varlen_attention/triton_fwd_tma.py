@@ -95,11 +95,12 @@ def _prune(configs, named_args, **kwargs):
 def _fwd_tma_inner(b_acc, b_l, b_m, b_q, d_k, d_v, o_m, lo, hi, L, qk_scale, cap, win_left, win_right,
                    SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
                    INTERPRET: tl.constexpr, MASK_CAUSAL: tl.constexpr = False, MASK_LEN: tl.constexpr = False,
-                   MASK_WINDOW: tl.constexpr = False):
+                   MASK_WINDOW: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
     """Online softmax over keys [lo, hi) (int32), K / V tiles through the descriptors ``d_k`` / ``d_v``
     (rows >= L read 0). The same arithmetic as the pointer kernel's ``_fwd_inner``: score masks only in
     the masked instantiations, scaling fused into exp2's FMA without SOFTCAP, P rounded to V's dtype."""
-    for start in range(lo, hi, BLOCK_N):
+    # WARP_SPEC False compiles as a plain range loop (no tt.warp_specialize attribute): the tables' configs.
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         o_n = start + tl.arange(0, BLOCK_N)
         b_k = d_k.load([start, 0]).to(DOT_T)
         b_v = d_v.load([start, 0])
@@ -122,8 +123,9 @@ def _fwd_tma_inner(b_acc, b_l, b_m, b_q, d_k, d_v, o_m, lo, hi, L, qk_scale, cap
 def _fwd_tma(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-             DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """One (query block, query head) per program, as the pointer kernel, through descriptors."""
+             DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr, WARP_SPEC: tl.constexpr = False):
+    """One (query block, query head) per program, as the pointer kernel, through descriptors; ``WARP_SPEC``:
+    the key loops warp-specialised (no table config sets it: benchmarks/gpu/sweep.py's candidate)."""
     i_b, i_h, i_m, bos, L, o_m, _, m_row, _ = _program_block(p_work, p_cu, Hq, BLOCK_M, HEAD_DIM, BLOCK_D)
     if i_b < 0:
         return
@@ -148,17 +150,17 @@ def _fwd_tma(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, ca
         b_acc, b_l, b_m = _fwd_tma_inner(
             b_acc, b_l, b_m, b_q, d_k, d_v, o_m32, lo.to(tl.int32), hi.to(tl.int32), L32, qk_scale, cap, win_left,
             win_right, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET,
-            MASK_WINDOW=True)
+            MASK_WINDOW=True, WARP_SPEC=WARP_SPEC)
     else:  # unmasked keys [0, mid), then masked [mid, hi), as in the pointer kernel
         mid = q_lo if IS_CAUSAL else (L32 // BLOCK_N) * BLOCK_N
         hi = tl.minimum(mid + BLOCK_M, L32) if IS_CAUSAL else L32
         b_acc, b_l, b_m = _fwd_tma_inner(
             b_acc, b_l, b_m, b_q, d_k, d_v, o_m32, 0, mid, L32, qk_scale, cap, win_left, win_right,
-            SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET)
+            SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET, WARP_SPEC=WARP_SPEC)
         b_acc, b_l, b_m = _fwd_tma_inner(
             b_acc, b_l, b_m, b_q, d_k, d_v, o_m32, mid, hi, L32, qk_scale, cap, win_left, win_right,
             SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET,
-            MASK_CAUSAL=IS_CAUSAL, MASK_LEN=True)
+            MASK_CAUSAL=IS_CAUSAL, MASK_LEN=True, WARP_SPEC=WARP_SPEC)
 
     b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
     b_o = _cast(b_acc / b_l_safe[:, None], p_o.dtype.element_ty, INTERPRET)
@@ -178,12 +180,13 @@ def _varlen_attention_fwd_hopper_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr = False,
 ):
     """The forward with a config-chosen load path: ``TMA`` descriptors, else the pointer kernel."""
     if TMA:
         _fwd_tma(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
                  HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IS_CAUSAL=IS_CAUSAL,
-                 LOCAL=LOCAL, SOFTCAP=SOFTCAP, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET)
+                 LOCAL=LOCAL, SOFTCAP=SOFTCAP, DOT_T=DOT_T, PREC=PREC, INTERPRET=INTERPRET, WARP_SPEC=WARP_SPEC)
     else:
         _POINTER_FWD(p_q, p_k, p_v, p_o, p_lse, p_cu, p_work, T, Hq, GROUP, qk_scale, cap, win_left, win_right,
                      len_bucket, tok_bucket,

@@ -5,7 +5,8 @@ Layout under ``<trainer.default_local_dir>/checkpoints``::
     global_step_N/model/                      HF safetensors + config.json + tokenizer files (loadable anywhere)
     global_step_N/optim_rank{r}.safetensors   optimiser + LR schedule of rank r (its own TP / FSDP shard)
     global_step_N/state_rank{r}.safetensors   step, data cursor, the accumulator's carried-over groups, RNG states
-    global_step_N/manifest.json               written last: step, save sequence number, every file's size and sha256
+    global_step_N/manifest.json               written last: step, save sequence number, world size and
+                                              parallel layout, every file's size and sha256
     latest_checkpointed_iteration.txt         N (verl's name; for tools, auto-resume does not need it)
 
 State files are :mod:`dapo_trainer.state_file`'s (safetensors + a JSON header, never pickle); this
@@ -46,6 +47,7 @@ from .state_file import FORMAT, load_state_file, save_state_file
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+_LAYOUT_KEYS = ("pp", "vpp", "dp", "tp", "sp")  # ParallelDims' sizes, outermost first
 _STEP_DIR = re.compile(r"^\.?global_step_(\d+)(\.tmp|\.old)?$")
 log = logging.getLogger(__name__)
 
@@ -257,14 +259,45 @@ def _check_finite(step: int, full_state: dict) -> None:
                            f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint is kept")
 
 
+def layout_of(dims) -> dict:
+    """The parallel sizes a checkpoint's per-rank files depend on (recorded in its manifest)."""
+    return {k: getattr(dims, k) for k in _LAYOUT_KEYS}
+
+
+def _fmt_layout(world, layout: Optional[dict]) -> str:
+    procs = f"{world} process{'' if world == 1 else 'es'}"
+    if not isinstance(layout, dict) or not layout:
+        return procs
+    return f"{procs}, {' x '.join(f'{k.upper()}={layout[k]}' for k in _LAYOUT_KEYS if k in layout)}"
+
+
+def check_resume_layout(ckpt_dir: str, world: int, layout: dict) -> None:
+    """Start-up check: ``ckpt_dir`` was saved by ``world`` processes in ``layout`` (its manifest's
+    ``world_size`` / ``layout``; an older manifest without a layout: its world size only). Else a
+    ValueError naming both and what does load at another layout: the HF ``model/`` directory."""
+    man = _read_manifest(ckpt_dir)
+    saved_world, saved_layout = man.get("world_size"), man.get("layout")
+    same_layout = not isinstance(saved_layout, dict) or saved_layout == layout
+    if saved_world in (None, world) and same_layout:
+        return
+    raise ValueError(
+        f"trainer.resume_mode: checkpoint {ckpt_dir!r} was saved by {_fmt_layout(saved_world, saved_layout)}; this "
+        f"run has {_fmt_layout(world, layout)}. A resume restores each rank's optimiser shard, RNG and data cursor, "
+        "so it needs the saved world size and parallel layout (actor_rollout_ref.actor.*_parallel_size): resume "
+        "with those, or start a new run from the checkpoint's weights, which load at any layout "
+        f"(actor_rollout_ref.model.path={os.path.join(ckpt_dir, 'model')}, trainer.resume_mode=disable, another "
+        "trainer.default_local_dir; the optimiser state and data position start afresh)")
+
+
 def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optimizer, scheduler, trainer_state: dict,
-                    model_src_dir: Optional[str] = None) -> str:
+                    model_src_dir: Optional[str] = None, layout: Optional[dict] = None) -> str:
     """Write ``global_step_{step}`` (collective: every rank calls it). Returns its path.
 
     ``full_state``: the unsharded model ``state_dict`` (every rank gathers it; rank 0 writes).
     ``trainer_state``: this rank's state (cursor, accumulator, step, ...): tensors, arrays,
     numbers, strings and containers of them. Non-finite weights are refused (RuntimeError)
-    before anything is written.
+    before anything is written. ``layout``: the parallel sizes, recorded for
+    :func:`check_resume_layout`.
     """
     from .hf_io import save_hf_model
 
@@ -296,6 +329,8 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
         seqs = [seq for seq, _, _ in _complete_checkpoints(ckpt_root)[0]]
         manifest = {"format": FORMAT, "step": step, "sequence": max(seqs, default=0) + 1,
                     "world_size": _world(), "files": files, "sha256": hashes}
+        if layout is not None:
+            manifest["layout"] = dict(layout)
         with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
@@ -383,9 +418,13 @@ def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:
     rank, world = _rank(), _world()
     path = os.path.join(ckpt_dir, f"state_rank{rank}.safetensors")
     saved = _read_manifest(ckpt_dir).get("world_size") if os.path.isfile(os.path.join(ckpt_dir, MANIFEST)) else None
-    if not os.path.isfile(path) or saved not in (None, world):
-        raise ValueError(f"trainer.resume_mode: checkpoint {ckpt_dir!r} was written by {saved or 'another number of'} "
-                         f"processes, this run has {world} (no state for rank {rank}); resume with the same number")
+    if saved not in (None, world):
+        check_resume_layout(ckpt_dir, world, {})  # raises, naming both world sizes
+    if not os.path.isfile(path):
+        have = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("state_rank"))
+        raise ValueError(f"trainer.resume_mode: checkpoint {ckpt_dir!r} has no {os.path.basename(path)} for rank "
+                         f"{rank} of this run's {world} processes (it holds {', '.join(have) or 'no state file'}): "
+                         "resume with the number of processes that saved it")
     optim = load_state_file(os.path.join(ckpt_dir, f"optim_rank{rank}.safetensors"))
     state = load_state_file(path)
     _check_state_step(ckpt_dir, path, state)

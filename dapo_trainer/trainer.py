@@ -172,6 +172,7 @@ class DAPOTrainer:
                 err = e
             self._raise_on_every_rank(err)
             check_resume_model(arr.model.path, self.resume_dir)
+            ckpt.check_resume_layout(self.resume_dir, self.dims.world, ckpt.layout_of(self.dims))
             if self.dims.rank == 0:
                 print(f"resuming from {self.resume_dir}", flush=True)
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
@@ -285,7 +286,8 @@ class DAPOTrainer:
         full = self.full_state()  # (the plain state_dict when nothing is sharded)
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
-                                    trainer_state=state, model_src_dir=self.cfg.actor_rollout_ref.model.path)
+                                    trainer_state=state, model_src_dir=self.cfg.actor_rollout_ref.model.path,
+                                    layout=ckpt.layout_of(self.dims))
 
     def fit(self) -> Dict[str, float]:
         """Train to ``trainer.total_training_steps``; returns the last step's metrics."""

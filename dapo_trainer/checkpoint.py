@@ -202,6 +202,14 @@ def _complete_checkpoints(ckpt_root: str):
     return complete, skipped
 
 
+def checkpoints_in(path: str) -> list:
+    """The ``global_step_N`` directory names directly under ``path``, by step ([] when none or no directory)."""
+    if not os.path.isdir(path):
+        return []
+    found = [(int(m.group(1)), n) for n in os.listdir(path) if (m := _STEP_DIR.match(n)) and not m.group(2)]
+    return [n for _, n in sorted(found)]
+
+
 def _write_latest(ckpt_root: str, step: int) -> None:
     latest = os.path.join(ckpt_root, LATEST_FILE)
     tmp = f"{latest}.tmp-{os.getpid()}"

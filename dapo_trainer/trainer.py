@@ -102,6 +102,12 @@ def find_resume_dir(cfg: Config, ckpt_root: str) -> Optional[str]:
     if t.resume_mode == "disable":
         return None
     if t.resume_mode == "resume_path":
+        held = ckpt.checkpoints_in(t.resume_from_path)
+        if held:  # verl's resume_from_path is one global_step_N directory too, never the folder of them
+            raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is a checkpoints directory holding "
+                             f"{', '.join(held)}, not one checkpoint: name one of them (e.g. "
+                             f"{os.path.join(t.resume_from_path, held[-1])}), or use trainer.resume_mode=auto, "
+                             "which resumes the newest complete one under trainer.default_local_dir")
         why = ckpt.incomplete_reason(t.resume_from_path)
         if why is not None:
             raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a complete checkpoint: {why}")

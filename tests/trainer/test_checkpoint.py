@@ -351,3 +351,16 @@ def test_pp2_checkpoint_at_pp1_dp2_is_refused_naming_both_and_its_model_loads_at
         f"trainer.default_local_dir={tmp_path}/new"]))
     assert fresh.global_step == 0 and fresh.resume_dir is None
 
+
+def test_resume_from_path_at_the_checkpoints_directory_names_its_checkpoints(trained, no_model):
+    """trainer.resume_from_path naming the checkpoints directory, not a global_step_N one (verl also wants
+    a global_step dir): a ValueError naming the global_step_N directories it holds and the newest one
+    (was: "its save did not finish")."""
+    root, overrides = trained
+    path = os.path.join(root, "run", "checkpoints")
+    with pytest.raises(ValueError, match=rf"trainer.resume_from_path: '{path}' is a checkpoints directory holding "
+                                         rf"global_step_1, not one checkpoint: name one of them \(e.g. "
+                                         rf"{path}/global_step_1\)"):
+        DAPOTrainer(load_config(overrides=overrides + ["trainer.resume_mode=resume_path",
+                                                       f"trainer.resume_from_path={path}"]))
+

@@ -382,21 +382,6 @@ def _check_state_step(ckpt_dir: str, path: str, state: dict) -> None:
                          "are from different saves; resume from an untouched checkpoint directory")
 
 
-def check_checkpoint_dir(path: str, key: str) -> None:
-    """Start-up check that checkpoints can be written under ``path`` (named ``key`` in errors): no
-    existing part of it is a file, and the nearest existing directory is writable."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(f"{key} must be a directory path, got {path!r}")
-    p = os.path.abspath(os.fspath(path))
-    while not os.path.exists(p) and os.path.dirname(p) != p:  # up to the nearest existing part
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ValueError(f"{key}: {p!r} is a file; checkpoints are written to the directory "
-                         f"{os.fspath(path)!r} (pick another path or remove the file)")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}: the directory {p!r} is not writable; checkpoints go to {os.fspath(path)!r}")
-
-
 def verify_checkpoint(ckpt_dir: str, share: tuple = (0, 1)) -> None:
     """Every file of ``ckpt_dir`` still has the sha256 its manifest recorded: a ValueError naming the
     first that does not. ``share=(k, m)``: only the files ``k, k + m, ...`` of the sorted list (ranks

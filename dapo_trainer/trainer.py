@@ -46,7 +46,7 @@ from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict, stage_keep
 from .rollout import make_rollout
-from .run_dir import RunDirectoryInUse
+from .run_dir import RunDirectoryInUse, check_checkpoint_dir
 from .run_dir import claim as claim_run_dir
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
@@ -165,7 +165,7 @@ class DAPOTrainer:
             data_mod.encode_rows(self.tokenizer, train_rows, train_where, d),
             data_mod.encode_rows(self.tokenizer, self.val_rows, val_where, d))
 
-        ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
+        check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
         if t.rollout_data_dir:
             rollout_dump.check_rollout_dir(t.rollout_data_dir)
         self.release_run_dir = self._claim_run_dir(fresh=t.resume_mode == "disable")  # before recovery touches it

@@ -364,3 +364,16 @@ def test_resume_from_path_at_the_checkpoints_directory_names_its_checkpoints(tra
         DAPOTrainer(load_config(overrides=overrides + ["trainer.resume_mode=resume_path",
                                                        f"trainer.resume_from_path={path}"]))
 
+
+def test_dangling_symlink_default_local_dir_is_refused_before_any_model(trained, tmp_path, no_model):
+    """trainer.default_local_dir a symbolic link to a directory that does not exist: a ValueError naming
+    the key and the link's target before any model is built or directory created (was: FileExistsError
+    after the model was built)."""
+    _, overrides = trained
+    link, target = tmp_path / "run", tmp_path / "gone" / "run"
+    os.symlink(target, link)
+    with pytest.raises(ValueError, match=rf"^trainer.default_local_dir: '{link}' is a symbolic link to "
+                                         rf"'{target}', which does not exist"):
+        DAPOTrainer(load_config(overrides=overrides + [f"trainer.default_local_dir={link}"]))
+    assert not os.path.exists(tmp_path / "gone")
+

@@ -29,6 +29,7 @@ content changed since (bit rot, a partial copy of the same size, an edit), namin
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -267,6 +268,30 @@ def _check_finite(step: int, full_state: dict) -> None:
                            f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint is kept")
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint file could not be written (disk full, quota, I/O error); names the file."""
+
+
+@contextlib.contextmanager
+def _writing(step: int, path: str, tmp: str):
+    """A failure while writing ``path`` (an OSError, or safetensors' own error type, which is not
+    public) is a :class:`CheckpointWriteError` naming the file and the directory; the partial save
+    ``tmp`` is removed (it never replaces a complete checkpoint)."""
+    try:
+        yield
+    except (TypeError, ValueError):  # the state itself is wrong: not a write failure
+        raise
+    except Exception as e:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        err = CheckpointWriteError(f"checkpoint of step {step}: writing {path!r} failed ({type(e).__name__}: {e}); "
+                                   f"the partial save {tmp!r} is removed and the previous complete checkpoints "
+                                   f"under {os.path.dirname(tmp)!r} are kept. Free space there (or pick another "
+                                   "trainer.default_local_dir) and resume")
+        err.errno = getattr(e, "errno", None)
+        raise err from e
+
+
 def layout_of(dims) -> dict:
     """The parallel sizes a checkpoint's per-rank files depend on (recorded in its manifest)."""
     return {k: getattr(dims, k) for k in _LAYOUT_KEYS}
@@ -305,7 +330,7 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
     ``trainer_state``: this rank's state (cursor, accumulator, step, ...): tensors, arrays,
     numbers, strings and containers of them. Non-finite weights are refused (RuntimeError)
     before anything is written. ``layout``: the parallel sizes, recorded for
-    :func:`check_resume_layout`.
+    :func:`check_resume_layout`. A write that fails: :class:`CheckpointWriteError`.
     """
     from .hf_io import save_hf_model
 
@@ -316,16 +341,20 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
     if rank == 0:
         os.makedirs(ckpt_root, exist_ok=True)
         recover(ckpt_root)
-        os.makedirs(tmp)
+        with _writing(step, tmp, tmp):
+            os.makedirs(tmp)
     _barrier()
     if rank == 0:
-        save_hf_model(model, os.path.join(tmp, "model"), state_dict=full_state)
-        for name in _TOKENIZER_FILES:  # so the checkpoint is a usable model directory
-            if model_src_dir and os.path.isfile(os.path.join(model_src_dir, name)):
-                shutil.copy(os.path.join(model_src_dir, name), os.path.join(tmp, "model", name))
-    save_state_file({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                    os.path.join(tmp, f"optim_rank{rank}.safetensors"))
-    save_state_file({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"state_rank{rank}.safetensors"))
+        with _writing(step, os.path.join(tmp, "model"), tmp):
+            save_hf_model(model, os.path.join(tmp, "model"), state_dict=full_state)
+            for name in _TOKENIZER_FILES:  # so the checkpoint is a usable model directory
+                if model_src_dir and os.path.isfile(os.path.join(model_src_dir, name)):
+                    shutil.copy(os.path.join(model_src_dir, name), os.path.join(tmp, "model", name))
+    for path, obj in ((os.path.join(tmp, f"optim_rank{rank}.safetensors"),
+                       {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}),
+                      (os.path.join(tmp, f"state_rank{rank}.safetensors"), {**trainer_state, "rng": rng_state()})):
+        with _writing(step, path, tmp):
+            save_state_file(obj, path)
     _barrier()
     if rank == 0:
         files, hashes = {}, {}
@@ -339,7 +368,7 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
                     "world_size": _world(), "files": files, "sha256": hashes}
         if layout is not None:
             manifest["layout"] = dict(layout)
-        with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
+        with _writing(step, os.path.join(tmp, MANIFEST), tmp), open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())

@@ -377,3 +377,36 @@ def test_dangling_symlink_default_local_dir_is_refused_before_any_model(trained,
         DAPOTrainer(load_config(overrides=overrides + [f"trainer.default_local_dir={link}"]))
     assert not os.path.exists(tmp_path / "gone")
 
+
+@pytest.mark.parametrize("failing,named", [(1, "model"), (2, "optim_rank0.safetensors"),
+                                           (3, "state_rank0.safetensors")])
+def test_disk_full_during_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, failing,
+                                                                                named):
+    """The writer failing with ENOSPC at the model, the optimiser or the state file: a CheckpointWriteError
+    (an OSError, errno ENOSPC) naming that file and the directory (was: safetensors' SafetensorError
+    without a path); the partial save is removed and the previous checkpoint stays the one resumed."""
+    import errno
+
+    import safetensors.torch
+
+    root = str(tmp_path / "ckpt")
+    parts = _tiny_parts()
+    _save(root, 1, parts)
+    real, calls = safetensors.torch.save_file, []
+
+    def full_disk(*a, **k):
+        calls.append(a[1])
+        if len(calls) == failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        _save(root, 2, parts)
+    tmp = os.path.join(root, ".global_step_2.tmp")
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError)
+    assert f"checkpoint of step 2: writing '{os.path.join(tmp, named)}' failed (OSError: [Errno 28] No space" in \
+        str(e.value)
+    assert f"the previous complete checkpoints under '{root}' are kept" in str(e.value)
+    assert sorted(os.listdir(root)) == ["global_step_1", ckpt.LATEST_FILE]
+    assert ckpt.latest_checkpoint(root) == os.path.join(root, "global_step_1")

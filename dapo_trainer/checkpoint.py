@@ -5,7 +5,8 @@ Layout under ``<trainer.default_local_dir>/checkpoints``::
     global_step_N/model/                      HF safetensors + config.json + tokenizer files (loadable anywhere)
     global_step_N/optim_rank{r}.safetensors   optimiser + LR schedule of rank r (its own TP / FSDP shard)
     global_step_N/state_rank{r}.safetensors   step, data cursor, the accumulator's carried-over groups, RNG states
-    global_step_N/manifest.json               written last: step, save sequence number, every file's size and sha256
+    global_step_N/manifest.json               written last: step, save sequence number, world size and
+                                              parallel layout, every file's size and sha256
     latest_checkpointed_iteration.txt         N (verl's name; for tools, auto-resume does not need it)
 
 State files are :mod:`dapo_trainer.state_file`'s (safetensors + a JSON header, never pickle); this
@@ -28,6 +29,7 @@ content changed since (bit rot, a partial copy of the same size, an edit), namin
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -46,6 +48,7 @@ from .state_file import FORMAT, load_state_file, save_state_file
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+_LAYOUT_KEYS = ("pp", "vpp", "dp", "tp", "sp")  # ParallelDims' sizes, outermost first
 _STEP_DIR = re.compile(r"^\.?global_step_(\d+)(\.tmp|\.old)?$")
 log = logging.getLogger(__name__)
 
@@ -200,6 +203,14 @@ def _complete_checkpoints(ckpt_root: str):
     return complete, skipped
 
 
+def checkpoints_in(path: str) -> list:
+    """The ``global_step_N`` directory names directly under ``path``, by step ([] when none or no directory)."""
+    if not os.path.isdir(path):
+        return []
+    found = [(int(m.group(1)), n) for n in os.listdir(path) if (m := _STEP_DIR.match(n)) and not m.group(2)]
+    return [n for _, n in sorted(found)]
+
+
 def _write_latest(ckpt_root: str, step: int) -> None:
     latest = os.path.join(ckpt_root, LATEST_FILE)
     tmp = f"{latest}.tmp-{os.getpid()}"
@@ -257,14 +268,69 @@ def _check_finite(step: int, full_state: dict) -> None:
                            f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint is kept")
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint file could not be written (disk full, quota, I/O error); names the file."""
+
+
+@contextlib.contextmanager
+def _writing(step: int, path: str, tmp: str):
+    """A failure while writing ``path`` (an OSError, or safetensors' own error type, which is not
+    public) is a :class:`CheckpointWriteError` naming the file and the directory; the partial save
+    ``tmp`` is removed (it never replaces a complete checkpoint)."""
+    try:
+        yield
+    except (TypeError, ValueError):  # the state itself is wrong: not a write failure
+        raise
+    except Exception as e:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        err = CheckpointWriteError(f"checkpoint of step {step}: writing {path!r} failed ({type(e).__name__}: {e}); "
+                                   f"the partial save {tmp!r} is removed and the previous complete checkpoints "
+                                   f"under {os.path.dirname(tmp)!r} are kept. Free space there (or pick another "
+                                   "trainer.default_local_dir) and resume")
+        err.errno = getattr(e, "errno", None)
+        raise err from e
+
+
+def layout_of(dims) -> dict:
+    """The parallel sizes a checkpoint's per-rank files depend on (recorded in its manifest)."""
+    return {k: getattr(dims, k) for k in _LAYOUT_KEYS}
+
+
+def _fmt_layout(world, layout: Optional[dict]) -> str:
+    procs = f"{world} process{'' if world == 1 else 'es'}"
+    if not isinstance(layout, dict) or not layout:
+        return procs
+    return f"{procs}, {' x '.join(f'{k.upper()}={layout[k]}' for k in _LAYOUT_KEYS if k in layout)}"
+
+
+def check_resume_layout(ckpt_dir: str, world: int, layout: dict) -> None:
+    """Start-up check: ``ckpt_dir`` was saved by ``world`` processes in ``layout`` (its manifest's
+    ``world_size`` / ``layout``; an older manifest without a layout: its world size only). Else a
+    ValueError naming both and what does load at another layout: the HF ``model/`` directory."""
+    man = _read_manifest(ckpt_dir)
+    saved_world, saved_layout = man.get("world_size"), man.get("layout")
+    same_layout = not isinstance(saved_layout, dict) or saved_layout == layout
+    if saved_world in (None, world) and same_layout:
+        return
+    raise ValueError(
+        f"trainer.resume_mode: checkpoint {ckpt_dir!r} was saved by {_fmt_layout(saved_world, saved_layout)}; this "
+        f"run has {_fmt_layout(world, layout)}. A resume restores each rank's optimiser shard, RNG and data cursor, "
+        "so it needs the saved world size and parallel layout (actor_rollout_ref.actor.*_parallel_size): resume "
+        "with those, or start a new run from the checkpoint's weights, which load at any layout "
+        f"(actor_rollout_ref.model.path={os.path.join(ckpt_dir, 'model')}, trainer.resume_mode=disable, another "
+        "trainer.default_local_dir; the optimiser state and data position start afresh)")
+
+
 def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optimizer, scheduler, trainer_state: dict,
-                    model_src_dir: Optional[str] = None) -> str:
+                    model_src_dir: Optional[str] = None, layout: Optional[dict] = None) -> str:
     """Write ``global_step_{step}`` (collective: every rank calls it). Returns its path.
 
     ``full_state``: the unsharded model ``state_dict`` (every rank gathers it; rank 0 writes).
     ``trainer_state``: this rank's state (cursor, accumulator, step, ...): tensors, arrays,
     numbers, strings and containers of them. Non-finite weights are refused (RuntimeError)
-    before anything is written.
+    before anything is written. ``layout``: the parallel sizes, recorded for
+    :func:`check_resume_layout`. A write that fails: :class:`CheckpointWriteError`.
     """
     from .hf_io import save_hf_model
 
@@ -275,16 +341,20 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
     if rank == 0:
         os.makedirs(ckpt_root, exist_ok=True)
         recover(ckpt_root)
-        os.makedirs(tmp)
+        with _writing(step, tmp, tmp):
+            os.makedirs(tmp)
     _barrier()
     if rank == 0:
-        save_hf_model(model, os.path.join(tmp, "model"), state_dict=full_state)
-        for name in _TOKENIZER_FILES:  # so the checkpoint is a usable model directory
-            if model_src_dir and os.path.isfile(os.path.join(model_src_dir, name)):
-                shutil.copy(os.path.join(model_src_dir, name), os.path.join(tmp, "model", name))
-    save_state_file({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                    os.path.join(tmp, f"optim_rank{rank}.safetensors"))
-    save_state_file({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"state_rank{rank}.safetensors"))
+        with _writing(step, os.path.join(tmp, "model"), tmp):
+            save_hf_model(model, os.path.join(tmp, "model"), state_dict=full_state)
+            for name in _TOKENIZER_FILES:  # so the checkpoint is a usable model directory
+                if model_src_dir and os.path.isfile(os.path.join(model_src_dir, name)):
+                    shutil.copy(os.path.join(model_src_dir, name), os.path.join(tmp, "model", name))
+    for path, obj in ((os.path.join(tmp, f"optim_rank{rank}.safetensors"),
+                       {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}),
+                      (os.path.join(tmp, f"state_rank{rank}.safetensors"), {**trainer_state, "rng": rng_state()})):
+        with _writing(step, path, tmp):
+            save_state_file(obj, path)
     _barrier()
     if rank == 0:
         files, hashes = {}, {}
@@ -296,7 +366,9 @@ def save_checkpoint(ckpt_root: str, step: int, *, model, full_state: dict, optim
         seqs = [seq for seq, _, _ in _complete_checkpoints(ckpt_root)[0]]
         manifest = {"format": FORMAT, "step": step, "sequence": max(seqs, default=0) + 1,
                     "world_size": _world(), "files": files, "sha256": hashes}
-        with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
+        if layout is not None:
+            manifest["layout"] = dict(layout)
+        with _writing(step, os.path.join(tmp, MANIFEST), tmp), open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
@@ -339,21 +411,6 @@ def _check_state_step(ckpt_dir: str, path: str, state: dict) -> None:
                          "are from different saves; resume from an untouched checkpoint directory")
 
 
-def check_checkpoint_dir(path: str, key: str) -> None:
-    """Start-up check that checkpoints can be written under ``path`` (named ``key`` in errors): no
-    existing part of it is a file, and the nearest existing directory is writable."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(f"{key} must be a directory path, got {path!r}")
-    p = os.path.abspath(os.fspath(path))
-    while not os.path.exists(p) and os.path.dirname(p) != p:  # up to the nearest existing part
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ValueError(f"{key}: {p!r} is a file; checkpoints are written to the directory "
-                         f"{os.fspath(path)!r} (pick another path or remove the file)")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}: the directory {p!r} is not writable; checkpoints go to {os.fspath(path)!r}")
-
-
 def verify_checkpoint(ckpt_dir: str, share: tuple = (0, 1)) -> None:
     """Every file of ``ckpt_dir`` still has the sha256 its manifest recorded: a ValueError naming the
     first that does not. ``share=(k, m)``: only the files ``k, k + m, ...`` of the sorted list (ranks
@@ -383,9 +440,13 @@ def load_checkpoint(ckpt_dir: str, *, optimizer, scheduler) -> dict:
     rank, world = _rank(), _world()
     path = os.path.join(ckpt_dir, f"state_rank{rank}.safetensors")
     saved = _read_manifest(ckpt_dir).get("world_size") if os.path.isfile(os.path.join(ckpt_dir, MANIFEST)) else None
-    if not os.path.isfile(path) or saved not in (None, world):
-        raise ValueError(f"trainer.resume_mode: checkpoint {ckpt_dir!r} was written by {saved or 'another number of'} "
-                         f"processes, this run has {world} (no state for rank {rank}); resume with the same number")
+    if saved not in (None, world):
+        check_resume_layout(ckpt_dir, world, {})  # raises, naming both world sizes
+    if not os.path.isfile(path):
+        have = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("state_rank"))
+        raise ValueError(f"trainer.resume_mode: checkpoint {ckpt_dir!r} has no {os.path.basename(path)} for rank "
+                         f"{rank} of this run's {world} processes (it holds {', '.join(have) or 'no state file'}): "
+                         "resume with the number of processes that saved it")
     optim = load_state_file(os.path.join(ckpt_dir, f"optim_rank{rank}.safetensors"))
     state = load_state_file(path)
     _check_state_step(ckpt_dir, path, state)

@@ -5,7 +5,8 @@ holder's pid, host and start time) for as long as the trainer lives; a second ru
 process, is refused with a message naming the holder. The OS drops the lock when its process ends,
 so a killed run never blocks the next. Within one process the lock is shared (a resumed trainer
 next to the one that trained, as in tests). ``resume_mode=disable`` into a directory that already
-holds metrics or checkpoints is refused instead of overwriting them.
+holds metrics or checkpoints is refused instead of overwriting them. :func:`check_checkpoint_dir`, at
+start-up, refuses a path that cannot be written (a file or a dangling symbolic link in it, no permission).
 """
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ def previous_run(run_dir: str) -> List[str]:
     if os.path.isdir(ckpts):
         found += [f"checkpoints/{name}" for name in sorted(os.listdir(ckpts))]
     return found
+
+
+def check_checkpoint_dir(path: str, key: str) -> None:
+    """Start-up check that checkpoints can be written under ``path`` (named ``key`` in errors): no
+    existing part of it is a file, and the nearest existing directory is writable."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"{key} must be a directory path, got {path!r}")
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.exists(p) and os.path.dirname(p) != p:  # up to the nearest existing part
+        if os.path.islink(p):
+            raise ValueError(f"{key}: {p!r} is a symbolic link to {os.readlink(p)!r}, which does not exist; "
+                             f"checkpoints are written under {os.fspath(path)!r} (create the link's target "
+                             "directory, remove the link, or pick another path)")
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ValueError(f"{key}: {p!r} is a file; checkpoints are written to the directory "
+                         f"{os.fspath(path)!r} (pick another path or remove the file)")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}: the directory {p!r} is not writable; checkpoints go to {os.fspath(path)!r}")
 
 
 def _holder(fd: int) -> str:

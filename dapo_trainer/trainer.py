@@ -46,7 +46,7 @@ from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict, stage_keep
 from .rollout import make_rollout
-from .run_dir import RunDirectoryInUse
+from .run_dir import RunDirectoryInUse, check_checkpoint_dir
 from .run_dir import claim as claim_run_dir
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
@@ -102,6 +102,12 @@ def find_resume_dir(cfg: Config, ckpt_root: str) -> Optional[str]:
     if t.resume_mode == "disable":
         return None
     if t.resume_mode == "resume_path":
+        held = ckpt.checkpoints_in(t.resume_from_path)
+        if held:  # verl's resume_from_path is one global_step_N directory too, never the folder of them
+            raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is a checkpoints directory holding "
+                             f"{', '.join(held)}, not one checkpoint: name one of them (e.g. "
+                             f"{os.path.join(t.resume_from_path, held[-1])}), or use trainer.resume_mode=auto, "
+                             "which resumes the newest complete one under trainer.default_local_dir")
         why = ckpt.incomplete_reason(t.resume_from_path)
         if why is not None:
             raise ValueError(f"trainer.resume_from_path: {t.resume_from_path!r} is not a complete checkpoint: {why}")
@@ -160,7 +166,7 @@ class DAPOTrainer:
             data_mod.encode_rows(self.tokenizer, train_rows, train_where, d),
             data_mod.encode_rows(self.tokenizer, self.val_rows, val_where, d))
 
-        ckpt.check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
+        check_checkpoint_dir(self.ckpt_root, "trainer.default_local_dir")
         if t.rollout_data_dir:
             rollout_dump.check_rollout_dir(t.rollout_data_dir)
         self.release_run_dir = self._claim_run_dir(fresh=t.resume_mode == "disable")  # before recovery touches it
@@ -173,6 +179,7 @@ class DAPOTrainer:
                 err = e
             self._raise_on_every_rank(err)
             check_resume_model(arr.model.path, self.resume_dir)
+            ckpt.check_resume_layout(self.resume_dir, self.dims.world, ckpt.layout_of(self.dims))
             if self.dims.rank == 0:
                 print(f"resuming from {self.resume_dir}", flush=True)
         model_dir = os.path.join(self.resume_dir, "model") if self.resume_dir else arr.model.path
@@ -286,7 +293,8 @@ class DAPOTrainer:
         full = self.full_state()  # (the plain state_dict when nothing is sharded)
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
-                                    trainer_state=state, model_src_dir=self.cfg.actor_rollout_ref.model.path)
+                                    trainer_state=state, model_src_dir=self.cfg.actor_rollout_ref.model.path,
+                                    layout=ckpt.layout_of(self.dims))
 
     def fit(self) -> Dict[str, float]:
         """Train to ``trainer.total_training_steps``; returns the last step's metrics."""

@@ -16,6 +16,7 @@ from dapo_trainer.data import load_rows
 from dapo_trainer.hf_io import load_hf_model, read_hf_config, save_hf_model
 from dapo_trainer.model import ModelConfig, Transformer
 from dapo_trainer.rewards import check_reward
+from dapo_trainer.run_dir import check_checkpoint_dir
 from dapo_trainer.tools import batch_quality, profiler, report, tune
 
 TINY = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
@@ -138,11 +139,11 @@ def test_check_checkpoint_dir(tmp_path):
     (tmp_path / "f").write_text("x")
     for path in (tmp_path / "f", tmp_path / "f" / "checkpoints"):
         with pytest.raises(ValueError, match=rf"trainer.default_local_dir: .*{tmp_path / 'f'}.* is a file"):
-            ckpt.check_checkpoint_dir(str(path), "trainer.default_local_dir")
-    ckpt.check_checkpoint_dir(str(tmp_path / "new" / "checkpoints"), "trainer.default_local_dir")
-    ckpt.check_checkpoint_dir(str(tmp_path), "trainer.default_local_dir")
+            check_checkpoint_dir(str(path), "trainer.default_local_dir")
+    check_checkpoint_dir(str(tmp_path / "new" / "checkpoints"), "trainer.default_local_dir")
+    check_checkpoint_dir(str(tmp_path), "trainer.default_local_dir")
     with pytest.raises(TypeError, match="trainer.default_local_dir"):
-        ckpt.check_checkpoint_dir(None, "trainer.default_local_dir")
+        check_checkpoint_dir(None, "trainer.default_local_dir")
 
 
 def test_corrupted_safetensors_names_the_file(tmp_path):

@@ -274,3 +274,139 @@ def test_fsdp2_optimizer_shards_resume_exactly(tmp_path):
     """FSDP2 keeps each rank's Adam moments as DTensor shards: saved per rank as plain tensors,
     loaded back as shards of the new model's parameters, the next step is identical."""
     spawn_process_group(_fsdp_worker, 2, str(tmp_path / "ckpt"), timeout=datetime.timedelta(seconds=120))
+
+
+# --------------------------------------------------------------------------- issue 40, items 15 and 16
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A micro run's overrides after one step, checkpointed at ``run/checkpoints/global_step_1``."""
+    root = str(tmp_path_factory.mktemp("trained"))
+    overrides = micro_setup(root) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
+                                     "data.val_files=[]"]
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    return root, overrides + ["trainer.total_training_steps=2"]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Building a model fails the test: the error must come before."""
+    import dapo_trainer.trainer as trainer_mod
+
+    def built(*a, **k):
+        raise AssertionError("a model was built before the error")
+    monkeypatch.setattr(trainer_mod, "build_model", built)
+
+
+def _copy_run(trained, tmp_path, **manifest):
+    """A copy of the trained run under ``tmp_path`` with ``manifest``'s keys set in global_step_1's
+    manifest (None: removed); returns (checkpoint dir, overrides for the copy)."""
+    root, overrides = trained
+    run = str(tmp_path / "run")
+    shutil.copytree(os.path.join(root, "run", "checkpoints"), os.path.join(run, "checkpoints"))
+    d = os.path.join(run, "checkpoints", "global_step_1")
+    path = os.path.join(d, ckpt.MANIFEST)
+    man = json.load(open(path))
+    for k, v in manifest.items():
+        man[k] = v
+        if v is None:
+            del man[k]
+    json.dump(man, open(path, "w"))
+    return d, overrides + [f"trainer.default_local_dir={run}"]
+
+
+PP2 = {"pp": 2, "vpp": 1, "dp": 1, "tp": 1, "sp": 1}
+
+
+@pytest.mark.parametrize("layout,saved", [(PP2, r"2 processes, PP=2 x VPP=1 x DP=1 x TP=1 x SP=1"),
+                                          (None, "2 processes")])
+def test_resume_at_another_world_size_names_both_layouts_and_what_loads(trained, tmp_path, no_model, layout,
+                                                                        saved):
+    """A checkpoint saved by 2 processes (PP=2; or an older manifest with its world size only), resumed by
+    one: a ValueError before any model is built naming the saved and the current world size and layout,
+    and the checkpoint's model directory, which the docs promise loads at PP=1 (was: "no state for rank
+    0" from load_checkpoint, although state_rank0 exists)."""
+    d, overrides = _copy_run(trained, tmp_path, world_size=2, layout=layout)
+    with pytest.raises(ValueError) as e:
+        DAPOTrainer(load_config(overrides=overrides))
+    msg = str(e.value)
+    assert f"was saved by {saved}; this run has 1 process" in msg, msg
+    assert f"actor_rollout_ref.model.path={d}/model, trainer.resume_mode=disable" in msg
+    assert "no state for rank" not in msg
+
+
+def test_pp2_checkpoint_at_pp1_dp2_is_refused_naming_both_and_its_model_loads_at_pp1(trained, tmp_path):
+    """The trainer records its parallel layout in the manifest; a PP=2 checkpoint resumed at PP=1 x DP=2
+    (the same world size) is refused naming both layouts (was: a torch optimiser group-size traceback),
+    the saved layout passes, and its model directory starts a new run at PP=1 as docs/parallelism.md says."""
+    root, overrides = trained
+    d = os.path.join(root, "run", "checkpoints", "global_step_1")
+    assert json.load(open(os.path.join(d, ckpt.MANIFEST)))["layout"] == {**PP2, "pp": 1}
+    d, _ = _copy_run(trained, tmp_path, world_size=2, layout=PP2)
+    with pytest.raises(ValueError, match=r"saved by 2 processes, PP=2 x VPP=1 x DP=1 x TP=1 x SP=1; this run has 2 "
+                                         r"processes, PP=1 x VPP=1 x DP=2 x TP=1 x SP=1\. A resume restores"):
+        ckpt.check_resume_layout(d, 2, {**PP2, "pp": 1, "dp": 2})
+    ckpt.check_resume_layout(d, 2, PP2)
+    fresh = DAPOTrainer(load_config(overrides=overrides + [
+        f"actor_rollout_ref.model.path={d}/model", "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={tmp_path}/new"]))
+    assert fresh.global_step == 0 and fresh.resume_dir is None
+
+
+def test_resume_from_path_at_the_checkpoints_directory_names_its_checkpoints(trained, no_model):
+    """trainer.resume_from_path naming the checkpoints directory, not a global_step_N one (verl also wants
+    a global_step dir): a ValueError naming the global_step_N directories it holds and the newest one
+    (was: "its save did not finish")."""
+    root, overrides = trained
+    path = os.path.join(root, "run", "checkpoints")
+    with pytest.raises(ValueError, match=rf"trainer.resume_from_path: '{path}' is a checkpoints directory holding "
+                                         rf"global_step_1, not one checkpoint: name one of them \(e.g. "
+                                         rf"{path}/global_step_1\)"):
+        DAPOTrainer(load_config(overrides=overrides + ["trainer.resume_mode=resume_path",
+                                                       f"trainer.resume_from_path={path}"]))
+
+
+def test_dangling_symlink_default_local_dir_is_refused_before_any_model(trained, tmp_path, no_model):
+    """trainer.default_local_dir a symbolic link to a directory that does not exist: a ValueError naming
+    the key and the link's target before any model is built or directory created (was: FileExistsError
+    after the model was built)."""
+    _, overrides = trained
+    link, target = tmp_path / "run", tmp_path / "gone" / "run"
+    os.symlink(target, link)
+    with pytest.raises(ValueError, match=rf"^trainer.default_local_dir: '{link}' is a symbolic link to "
+                                         rf"'{target}', which does not exist"):
+        DAPOTrainer(load_config(overrides=overrides + [f"trainer.default_local_dir={link}"]))
+    assert not os.path.exists(tmp_path / "gone")
+
+
+@pytest.mark.parametrize("failing,named", [(1, "model"), (2, "optim_rank0.safetensors"),
+                                           (3, "state_rank0.safetensors")])
+def test_disk_full_during_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, failing,
+                                                                                named):
+    """The writer failing with ENOSPC at the model, the optimiser or the state file: a CheckpointWriteError
+    (an OSError, errno ENOSPC) naming that file and the directory (was: safetensors' SafetensorError
+    without a path); the partial save is removed and the previous checkpoint stays the one resumed."""
+    import errno
+
+    import safetensors.torch
+
+    root = str(tmp_path / "ckpt")
+    parts = _tiny_parts()
+    _save(root, 1, parts)
+    real, calls = safetensors.torch.save_file, []
+
+    def full_disk(*a, **k):
+        calls.append(a[1])
+        if len(calls) == failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        _save(root, 2, parts)
+    tmp = os.path.join(root, ".global_step_2.tmp")
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError)
+    assert f"checkpoint of step 2: writing '{os.path.join(tmp, named)}' failed (OSError: [Errno 28] No space" in \
+        str(e.value)
+    assert f"the previous complete checkpoints under '{root}' are kept" in str(e.value)
+    assert sorted(os.listdir(root)) == ["global_step_1", ckpt.LATEST_FILE]
+    assert ckpt.latest_checkpoint(root) == os.path.join(root, "global_step_1")

@@ -84,6 +84,9 @@ def _process_group_entry(rank: int, worker: Callable, world: int, port: int, bac
     dist.init_process_group(backend, rank=rank, world_size=world, **init_kw)
     try:
         worker(rank, *args)
+        # Every rank done with its collectives before any tears down: gloo aborted a rank whose peer's
+        # group was destroyed while it was still finishing ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

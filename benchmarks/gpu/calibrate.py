@@ -12,7 +12,7 @@ model. Causal and non-causal are separate rows; the band of a causal estimate co
 ``--check``: exit 1 when ``aot_model.LATENCY_HIDING`` differs from the fit (as rounded to 2 digits).
 
 Published figures (H100 SXM5, fp16, 16k tokens in all, TFLOP/s; FlashAttention-3 paper, Shah et al.
-2024, forward / backward benchmark figures, as quoted in issue 39): forward D = 128, causal: Triton 378,
+2024, as quoted in issue 39; figure numbers not checked here): forward D = 128, causal: Triton 378,
 FlashAttention-2 335; non-causal: 395 / 370; backward causal: FlashAttention-2 322 (D = 128), the
 Triton tutorial 209 (D = 64).
 """

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import dapo_kernels as dk
-from dapo_kernels.ops.varlen_attention import launch, triton_fwd_tma
+from dapo_kernels.ops.varlen_attention import launch, nan, triton_fwd_tma
 from gpu.common import cuda_time_ms
 
 T_TOTAL, HQ, HKV, D = 65536, 32, 8, 128
@@ -266,3 +266,25 @@ def _time_mix(report, name, lengths, gc, t0):
         except Exception as e:  # a peer missing a backend must not hide the rest
             report.add("varlen_attn", case, impl=impl, status="FAIL" if impl.startswith("dk") else "skipped",
                        note=f"{type(e).__name__}: {e}"[:100])
+    _time_nan_marks(report, case, q, k, v, cu)
+
+
+def _time_nan_marks(report, case, q, k, v, cu):
+    """The public op's NaN marks alone (its time beside the launchers'), forward and backward, by the
+    Triton kernels the op runs and by torch ops (the torch path's way)."""
+    out, dout = torch.empty_like(q), torch.randn_like(q)
+    dk_, dv_ = torch.empty_like(k), torch.empty_like(v)
+    lse = torch.zeros(HQ, q.shape[0], device="cuda")
+    for triton, impl in ((True, "dk NaN marks (triton)"), (False, "dk NaN marks (torch ops)")):
+        def fwd():
+            nan.mark_rows_nan_(out, nan.poisoned_queries(q, k, v, cu, True, -1, -1, triton), triton)
+
+        def bwd():
+            bad, keys = nan.poisoned_grads(dout, lse, HKV, cu, True, -1, -1, triton)
+            for t, rows in ((out, bad), (dk_, keys), (dv_, keys)):
+                nan.mark_rows_nan_(t, rows, triton)
+
+        with report.section("varlen_attn", case + " NaN marks", impl=impl):
+            for pass_, fn in (("fwd", fwd), ("bwd", bwd)):
+                report.add("varlen_attn", f"{case} {pass_}", impl=impl, ms=cuda_time_ms(fn, warmup=2, iters=5),
+                           note="marks alone, no attention")

@@ -8,9 +8,25 @@ import torch
 from ..._cache import per_tensor_cache
 
 
-def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
-    """bool ``[T, H]``: the (token, head) rows of ``x [T, H, D]`` that hold a NaN or an inf."""
-    return ~torch.isfinite(x).all(-1)
+def _nonfinite_rows(x: torch.Tensor, triton: bool) -> torch.Tensor:
+    """bool ``[T, H]``: the (token, head) rows of contiguous ``x [T, H, D]`` that hold a NaN or an inf."""
+    if triton:
+        return nan_triton().nonfinite_rows(x)
+    # amax / amin propagate NaN and keep +-inf: two reads, no full-size temporary (isfinite makes three).
+    return ~(torch.isfinite(x.amax(-1)) & torch.isfinite(x.amin(-1)))
+
+
+def mark_rows_nan_(x: torch.Tensor, rows: torch.Tensor, triton: bool) -> torch.Tensor:
+    """``x [T, H, D]`` (contiguous) with the rows flagged in bool ``rows [T, H]`` set to NaN, in place."""
+    if triton:
+        return nan_triton().mark_rows_nan_(x, rows)
+    return x.masked_fill_(rows[..., None], float("nan"))
+
+
+def nan_triton():
+    """The Triton versions (:mod:`.nan_triton`), imported on first use: the torch path needs no Triton."""
+    from . import nan_triton as module
+    return module
 
 
 @per_tensor_cache  # once per batch, not per layer
@@ -41,19 +57,20 @@ def _attending(flag: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, windo
 
 
 def poisoned_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
-                     window_left: int, window_right: int) -> torch.Tensor:
-    """bool ``[T, Hq]``: the queries whose ``q``, or the ``k`` / ``v`` of a key they attend, hold a NaN or inf."""
-    attends_bad = _attending(_nonfinite_rows(k) | _nonfinite_rows(v), cu_seqlens, causal, window_left, window_right,
-                             keys=False)
-    return _nonfinite_rows(q) | attends_bad.repeat_interleave(q.shape[1] // k.shape[1], 1)
+                     window_left: int, window_right: int, triton: bool = False) -> torch.Tensor:
+    """bool ``[T, Hq]``: the queries whose ``q``, or the ``k`` / ``v`` of a key they attend, hold a NaN or
+    inf; ``triton``: the row flags by the Triton kernel (same result)."""
+    attends_bad = _attending(_nonfinite_rows(k, triton) | _nonfinite_rows(v, triton), cu_seqlens, causal,
+                             window_left, window_right, keys=False)
+    return _nonfinite_rows(q, triton) | attends_bad.repeat_interleave(q.shape[1] // k.shape[1], 1)
 
 
 def poisoned_grads(dout: torch.Tensor, lse: torch.Tensor, kv_heads: int, cu_seqlens: torch.Tensor, causal: bool,
-                   window_left: int, window_right: int):
+                   window_left: int, window_right: int, triton: bool = False):
     """(bool ``[T, Hq]``, bool ``[T, Hkv]``): the queries whose ``lse`` is NaN (the forward's mark) or
-    whose ``dout`` holds a NaN or inf, and the keys such a query attends."""
+    whose ``dout`` holds a NaN or inf, and the keys such a query attends; ``triton`` as above."""
     T, Hq, _ = dout.shape
-    bad = lse.isnan().t() | _nonfinite_rows(dout)
+    bad = lse.isnan().t() | _nonfinite_rows(dout, triton)
     keys = _attending(bad.reshape(T, kv_heads, Hq // kv_heads).any(-1), cu_seqlens, causal, window_left,
                       window_right, keys=True)
     return bad, keys

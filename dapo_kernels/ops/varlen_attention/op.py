@@ -9,7 +9,7 @@ import torch
 from ..._registry import backend_kernel_serves, current_backend, dispatch, use_backend
 from . import launch, torch_path  # noqa: F401  (register the triton and torch backends)
 from .lse import lse_dtype
-from .nan import poisoned_grads, poisoned_queries
+from .nan import mark_rows_nan_, poisoned_grads, poisoned_queries
 
 
 @torch.library.custom_op("dapo::varlen_attention_fwd", mutates_args=())
@@ -36,8 +36,9 @@ def _varlen_attention_fwd(
     window = (window_left, window_right)
     out, lse = dispatch("varlen_attention_fwd", q.device)(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale,
                                                           *window, softcap)
-    poisoned = poisoned_queries(q, k, v, cu_seqlens, causal, *window)
-    return out.masked_fill_(poisoned[..., None], float("nan")), lse.masked_fill_(poisoned.t(), float("nan"))
+    triton = current_backend(q.device) == "triton"  # the marks by Triton kernels there: one read per input
+    poisoned = poisoned_queries(q, k, v, cu_seqlens, causal, *window, triton)
+    return mark_rows_nan_(out, poisoned, triton), lse.masked_fill_(poisoned.t(), float("nan"))
 
 
 @_varlen_attention_fwd.register_fake
@@ -66,9 +67,9 @@ def _varlen_attention_bwd(
     dq, dk, dv = dispatch("varlen_attention_bwd", q.device)(
         dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale, *window, softcap, deterministic
     )
-    bad, keys = poisoned_grads(dout, lse, k.shape[1], cu_seqlens, causal, *window)
-    return (dq.masked_fill_(bad[..., None], float("nan")), dk.masked_fill_(keys[..., None], float("nan")),
-            dv.masked_fill_(keys[..., None], float("nan")))
+    triton = current_backend(q.device) == "triton"
+    bad, keys = poisoned_grads(dout, lse, k.shape[1], cu_seqlens, causal, *window, triton)
+    return mark_rows_nan_(dq, bad, triton), mark_rows_nan_(dk, keys, triton), mark_rows_nan_(dv, keys, triton)
 
 
 @_varlen_attention_bwd.register_fake

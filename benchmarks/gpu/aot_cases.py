@@ -142,6 +142,19 @@ def _group_filter(score_dtypes, group_sizes, index_dtypes, length_dtypes) -> Ite
         yield Case("overlong_penalty", _name(dt), "lengths", overlong)
 
 
+def _nan_marks(dtypes, head_dims) -> Iterator[Case]:
+    """varlen_attention's NaN marks (row flags, then NaN into the flagged rows) per dtype and head dim:
+    D is a constexpr of both kernels."""
+    import torch
+    from dapo_kernels.ops.varlen_attention import nan_triton
+    for dt in dtypes:
+        for D in head_dims:
+            def marks(dt=dt, D=D):
+                x = torch.randn(64, 4, D, dtype=dt)
+                nan_triton.mark_rows_nan_(x, nan_triton.nonfinite_rows(x))
+            yield Case("varlen_attention", _name(dt), f"NaN marks D={D}", marks)
+
+
 def _rollout_correction(dtypes, modes) -> Iterator[Case]:
     """Both passes (statistics, write) per dtype and mode; the mode's IS level and IcePop are constexprs."""
     import torch
@@ -196,6 +209,7 @@ def cases(which: str) -> List[Case]:
                 *_group_filter((f32, f64), GROUP_SIZES, (torch.int64, torch.int32), ints + [f32, f64]),
                 *_group_filter((f16, bf16), (16,), (torch.int64, torch.int32), ()),
                 *_rollout_correction((f16, bf16, f32, f64), RC_MODES),
+                *_nan_marks((f16, bf16, f32), ATTN_HEAD_DIMS),
                 *_packing((torch.bool, *ints, f16, bf16, f32, f64), (64, 4096))]
     if which == "test":
         return [*_attention([(bf16, 16, True), (f16, 32, False), (bf16, 64, True), (f16, 96, False),
@@ -207,5 +221,6 @@ def cases(which: str) -> List[Case]:
                 *_policy_loss((bf16,)),
                 *_group_filter((f64,), (4, 16), (torch.int32,), (torch.int64,)),
                 *_rollout_correction((f32,), RC_MODES[1:]),
+                *_nan_marks((bf16,), (128,)),
                 *_packing((f64,), (4096,))]
     raise ValueError(f"unknown set {which!r}")

@@ -42,6 +42,7 @@ from .batch_metrics import batch_metrics
 from .config import Config, dump_config
 from .generation import GenerationStage
 from .hf_io import load_hf_model, read_hf_config
+from .loggers import RunInfo, check_installed
 from .metrics import MetricsLogger
 from .offload import ActivationOffload
 from .parallel import ParallelDims, full_state_dict, parallelize_model, pipeline_state_dict, stage_keep
@@ -151,6 +152,8 @@ class DAPOTrainer:
         self.run_dir = t.default_local_dir
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         self.dims = ParallelDims.build(arr.actor, arr.rollout.n, self.device)
+        # Every rank refuses a missing tracker package (none is left alone in a collective); rank 0 warns.
+        check_installed(t.logger, warn=self.dims.rank == 0)
 
         self.tokenizer = data_mod.load_tokenizer(arr.model.path)
         if not d.train_files:
@@ -300,12 +303,13 @@ class DAPOTrainer:
         """Train to ``trainer.total_training_steps``; returns the last step's metrics."""
         t = self.cfg.trainer
         log = MetricsLogger(self.run_dir, t.total_training_steps, start_step=self.global_step,
-                            enabled=self.dims.rank == 0, progress_bar=t.progress_bar,
-                            tensorboard="tensorboard" in t.logger)
-        if self.dims.rank == 0:  # what the run trained with, beside its metrics (dapo-report reads it)
-            dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
+                            enabled=self.dims.rank == 0, progress_bar=t.progress_bar, loggers=t.logger,
+                            run=RunInfo(self.run_dir, t.project_name, t.experiment_name, self.cfg.to_dict()))
         metrics: Dict[str, float] = {}
+        failed = True  # until the loop ends: the trackers' runs are then marked failed
         try:
+            if self.dims.rank == 0:  # what the run trained with, beside its metrics (dapo-report reads it)
+                dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
             if self.global_step == 0 and t.val_before_train and self.val_rows:
                 metrics = self.validate()
                 log.log(0, metrics)
@@ -326,6 +330,7 @@ class DAPOTrainer:
                         "update; look at the learning rate, the loss coefficients and the data before resuming")
                 if (t.save_freq > 0 and step % t.save_freq == 0) or last:
                     self.save()
+            failed = False
         finally:
-            log.close()
+            log.close(failed=failed)
         return metrics

@@ -30,9 +30,9 @@ Embedder = Literal["minilm", "ngram"]
 OnError = Literal["raise", "drop"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 Device = Literal["auto", "cpu", "cuda", "npu"]
-# trainer.logger: "tensorboard" mirrors metrics.jsonl (always written) to TensorBoard; "console" adds nothing
-# (the bar is trainer.progress_bar).
-Logger = Literal["console", "tensorboard"]
+# trainer.logger, verl's names: each but "console" mirrors metrics.jsonl (always written) to a tracker
+# (dapo_trainer.loggers: TensorBoard, wandb, mlflow); "console" adds nothing (the bar is trainer.progress_bar).
+Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
 # Each SP rank aggregates the loss of its token shard: only token-additive modes stay exact.
 SP_LOSS_AGG_MODES = ("token-mean", "token-sum")
 

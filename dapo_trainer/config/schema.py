@@ -268,7 +268,8 @@ class TrainerConfig:
     # Stop after this many steps in a row with an update skipped as non-finite.
     max_nonfinite_steps: int = setting(3, range=POSITIVE)
     device: Device = "auto"
-    # verl's other loggers (wandb, ...) are dropped at load with a note (.verl_keys).
+    # verl's names (dapo_trainer.loggers); its loggers not implemented here (swanlab, ...) are dropped
+    # at load with a note (.verl_keys).
     logger: List[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     progress_bar: bool = True
     # verl's key: a directory where every step writes its sampled rollouts as {step}.jsonl (None: off);
@@ -276,6 +277,7 @@ class TrainerConfig:
     rollout_data_dir: Optional[str] = None
     # Rows per step in that dump: whole groups, spread over the step's generation batches.
     rollout_data_max_rows: int = setting(64, range=POSITIVE)
+    # As verl uses them: the wandb project / mlflow experiment, and the run's name in either.
     project_name: str = "dapo"
     experiment_name: str = "run"
 

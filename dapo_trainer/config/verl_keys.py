@@ -152,9 +152,9 @@ VERL_KEYS: Dict[str, VerlKey] = {
 }
 
 # verl's loggers not implemented here (verl.utils.tracking.Tracking.supported_backend).
-VERL_ONLY_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "file", "rl_insight")
+VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file", "rl_insight")
 _LOGGER_NOTE = ("not implemented here: every step's metrics go to metrics.jsonl in trainer.default_local_dir, "
-                f"the loggers are {' and '.join(LOGGERS)}")
+                f"the loggers are {', '.join(LOGGERS[:-1])} and {LOGGERS[-1]}")
 
 
 def is_verl_section(key: str) -> bool:

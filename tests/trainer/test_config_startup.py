@@ -103,17 +103,18 @@ def _classify(overrides, tmp_path):
 
 # --------------------------------------------------------------------------- item 14: verl command lines
 def test_dapo_recipe_command_line_loads(tmp_path):
-    """All 70 keys of verl's DAPO 32B recipe load in one go: 49 as settings of this trainer, 21 with a
-    note of what they mean here (trainer.logger: 'wandb' dropped); was 43 of 70, the rest rejected one
-    per launch."""
+    """All 70 keys of verl's DAPO 32B recipe load in one go: 50 as settings of this trainer (its
+    trainer.logger=['console','wandb'] included), 20 with a note of what they mean here; was 43 of 70,
+    the rest rejected one per launch."""
     accepted, noted, rejected = _classify(RECIPE_32B, tmp_path)
     print(f"\nrun_dapo_qwen2.5_32b.sh: {len(accepted)} accepted, {len(noted)} noted, {len(rejected)} rejected "
           f"of {len(RECIPE_32B)}")
     assert len(RECIPE_32B) == 70 and rejected == []
-    assert (len(accepted), len(noted)) == (49, 21), (accepted, noted)
-    assert "trainer.logger" in noted and "actor_rollout_ref.model.use_remove_padding" in noted
+    assert (len(accepted), len(noted)) == (50, 20), (accepted, noted)
+    assert "trainer.logger" in accepted and "actor_rollout_ref.model.use_remove_padding" in noted
     cfg, _ = _load([o.format(model=_model_dir(tmp_path), run=tmp_path) for o in RECIPE_32B])
-    assert cfg.trainer.logger == ["console"] and cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 8
+    assert cfg.trainer.logger == ["console", "wandb"]
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 8
 
 
 def test_other_dapo_recipe_keys_load(tmp_path):
@@ -293,13 +294,14 @@ def test_val_max_samples_zero_rejected(value):
 
 # --------------------------------------------------------------------------- item 5: trainer.logger
 def test_logger_names_checked():
-    """Unknown logger names are an error naming the key; verl's loggers not implemented here are dropped
-    with a note saying where the metrics go."""
-    with pytest.raises(ValueError, match=r"trainer\.logger\[0\]': must be 'console' or 'tensorboard', got 'nonsense'"):
+    """Unknown logger names are an error naming the key; verl's loggers not implemented here (swanlab)
+    are dropped with a note saying where the metrics go; wandb and mlflow are loggers here."""
+    with pytest.raises(ValueError, match=r"trainer\.logger\[0\]': must be one of 'console', 'tensorboard', 'wandb' "
+                                         r"or 'mlflow', got 'nonsense'"):
         load_config(overrides=["trainer.logger=[nonsense]"])
-    cfg, notes = _load(["trainer.logger=[console,wandb]"])
-    assert cfg.trainer.logger == ["console"]
-    assert notes == [n for n in notes if n.startswith("trainer.logger: 'wandb' not implemented here")] and notes
+    cfg, notes = _load(["trainer.logger=[console,wandb,swanlab,mlflow]"])
+    assert cfg.trainer.logger == ["console", "wandb", "mlflow"]
+    assert notes == [n for n in notes if n.startswith("trainer.logger: 'swanlab' not implemented here")] and notes
     assert "metrics.jsonl" in notes[0]
     cfg, notes = _load(["trainer.logger=[tensorboard]"])
     assert cfg.trainer.logger == ["tensorboard"] and notes == []

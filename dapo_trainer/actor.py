@@ -23,7 +23,7 @@ import dapo_kernels as dk
 from dapo_kernels.validation import to_device_checked
 
 from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, shard_sequence, sp_micro_batches,
-                       tp_shard_dims)
+                       tp_grad_sync, tp_shard_dims)
 from .records import MicroBatch, MiniBatchPlan, TrainBatch
 
 # The loss's per-token fractions (its name: the metric's), summed times tokens over the update.
@@ -218,6 +218,8 @@ class Actor:
             for i, (p, mbs) in enumerate(zip(plan, packed)):
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_loss, kl = self._backward_mini_batch(p, mbs, on_policy, sums)
+                if self.dims.tp > 1:  # per-head q/k norms (Qwen3, Gemma 3): their partial gradients summed
+                    tp_grad_sync(self.model)
                 has_kl = has_kl or kl
                 self._poison_grads_unless_finite(mini_loss)
                 loss_val, norm = torch.stack([mini_loss, self.clip_grads().double()]).tolist()

@@ -158,7 +158,7 @@ def _nan_marks(dtypes, head_dims) -> Iterator[Case]:
 def _rollout_correction(dtypes, modes) -> Iterator[Case]:
     """Both passes (statistics, write) per dtype and mode; the mode's IS level and IcePop are constexprs."""
     import torch
-    from dapo_kernels.ops._rollout_spec import make_params
+    from dapo_kernels._rollout_spec import make_params
     launch = _launchers()["rollout_correction"]
     lens = [300, 0, 17, 1024]
     for dt in dtypes:

@@ -5,7 +5,8 @@ largest count (read to the host: this is the CPU path, where a read costs nothin
 forward's two matmuls and the backward's four is one ``torch.bmm`` over all experts: no Python loop
 over experts, no per-expert read (transformers' loop makes one per expert). Padding rows are zero and
 are zeroed again after every matmul, so a non-finite weight of an expert reaches only that expert's
-real rows. 16-bit inputs compute in float32 (rounded once on the way out; the saved ``gate_up_out``
+real rows. The backward recomputes the experts' outputs for the routing weights' gradient (one more
+matmul, no ``[T*k, H]`` tensor kept from the forward). 16-bit inputs compute in float32 (rounded once on the way out; the saved ``gate_up_out``
 in the inputs' dtype, as the Triton path saves it).
 """
 from __future__ import annotations
@@ -110,7 +111,10 @@ def bwd_torch(dout, x, gate_up, down, topk_weights, gu_rows, row_slot, slot_row,
     sig = torch.sigmoid(g)
     silu = g * sig
     act = silu * u
-    dw_pad = (act * ga).sum(-1).view(E * C, 1)
+    # d topk_weights = dout . y with the expert output y recomputed (as torch's autograd of y * w sums
+    # it), not act . ga: that sum's rounding grew to 4.5x torch's error in fp32 (tests/ops/test_moe.py).
+    y = torch.bmm(act, down.to(cdt).transpose(1, 2))
+    dw_pad = (y * dout_pad).sum(-1).view(E * C, 1)
     da = ga * w_pad
     dgu = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * silu], dim=-1)
     d_down = torch.bmm((dout_pad * w_pad).transpose(1, 2), act)

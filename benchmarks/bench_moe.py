@@ -10,7 +10,7 @@ same routing, same gradients (checked close before timing). The variants alterna
 round (load on the machine hits them alike); the best of ROUNDS is reported, with the host reads of one
 step counted by tests/sync_counter.py (each a device sync on a GPU: transformers' loop reads the experts
 hit, then per expert one ``nonzero`` and one comparison with ``num_experts``; the torch path reads the
-largest count once, its padded batch's width, and the router's ``topk`` nothing).
+largest count and the valid rows once, its padded batch's shape, and the router's ``topk`` nothing).
 
 Where transformers' time goes: besides the per-expert launches and reads, its backward of
 ``self.gate_up_proj[expert_idx]`` / ``self.down_proj[expert_idx]`` (indexing a 3-D parameter) makes a
@@ -23,8 +23,8 @@ Measured (2 shared AMD EPYC cores, one thread; best of 5):
 
 | T | transformers ms | host reads | dk.fused_moe ms | host reads | speedup |
 |---|---|---|---|---|---|
-| 256 | 1701.8 | 643 | 86.9 | 2 | 19.6x |
-| 1024 | 1658.7 | 643 | 408.2 | 2 | 4.1x |
+| 256 | 1701.8 | 643 | 86.9 | 1 | 19.6x |
+| 1024 | 1658.7 | 643 | 408.2 | 1 | 4.1x |
 """
 from __future__ import annotations
 

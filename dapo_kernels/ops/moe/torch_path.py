@@ -20,14 +20,13 @@ from ..._registry import register
 
 
 @per_tensor_cache  # forward and backward of one call share it
-def _layout(expert_offsets: torch.Tensor, num_rows: int, num_slots: int):
+def _layout(expert_offsets: torch.Tensor):
     """``(C, nv, pad_of_row [nv], valid_pad [E*C] bool)``: the padded slot of each row with a valid
     expert (rows ``0:nv``), and which padded slots hold a row."""
     off = expert_offsets.long()
     E = off.numel() - 1
     counts = off[1:] - off[:-1]
-    C = int(counts.max()) if E else 0
-    nv = int(off[-1])
+    C, nv = torch.stack([counts.max(), off[-1]]).tolist()  # one read (free on the CPU)
     r = torch.arange(nv, device=off.device)
     e = torch.searchsorted(off[1:], r, right=True)
     pad = e * C + (r - off[e])
@@ -71,7 +70,7 @@ def fwd_torch(x, gate_up, down, topk_weights, row_slot, slot_row, expert_offsets
     cdt = _compute_dtype(x.dtype)
     out = empty_output((T, H), dtype=x.dtype, device=x.device)
     gu_rows = empty_output((T * k, I2), dtype=x.dtype, device=x.device)
-    C, nv, pad, valid_pad = _layout(expert_offsets, T * k, T * k)
+    C, nv, pad, valid_pad = _layout(expert_offsets)
     gu_rows[nv:] = 0
     if nv == 0:
         return out.zero_(), gu_rows
@@ -94,7 +93,7 @@ def bwd_torch(dout, x, gate_up, down, topk_weights, gu_rows, row_slot, slot_row,
     E, I2, _ = gate_up.shape
     k = topk_weights.shape[1]
     cdt = _compute_dtype(x.dtype)
-    C, nv, pad, valid_pad = _layout(expert_offsets, T * k, T * k)
+    C, nv, pad, valid_pad = _layout(expert_offsets)
     if nv == 0:
         return (torch.zeros_like(x), torch.zeros_like(gate_up), torch.zeros_like(down),
                 torch.zeros_like(topk_weights))

@@ -322,14 +322,16 @@ def test_moe_experts_rejects_bad_arguments(kw, err, match):
     (lambda x, lg, gu, dn: dk.fused_moe(x, lg, gu, dn, 0), ValueError, "top_k must be >= 1"),
     (lambda x, lg, gu, dn: dk.fused_moe(x, lg, gu, dn, 2.0), TypeError, "top_k must be an int"),
     (lambda x, lg, gu, dn: dk.fused_moe(x, lg, gu, dn, 2, 1), TypeError, "norm_topk_prob must be a bool"),
-    (lambda x, lg, gu, dn: dk.fused_moe(x, lg[:, :2], gu, dn, 2), ValueError, r"router_logits must have shape \[T, E\]"),
+    (lambda x, lg, gu, dn: dk.fused_moe(x, lg[:, :2], gu, dn, 2), ValueError,
+     r"router_logits must have shape \[T, E\]"),
     (lambda x, lg, gu, dn: dk.fused_moe(x, lg[:3], gu, dn, 2), ValueError, "router_logits must have shape"),
     (lambda x, lg, gu, dn: dk.moe_route(lg[:, :0], 1), ValueError, "router_logits must have at least one expert"),
     (lambda x, lg, gu, dn: dk.moe_load_balancing_loss(lg, 2, torch.ones(5)), ValueError,
      "attention_mask must have T = 4"),
     (lambda x, lg, gu, dn: dk.moe_tokens_per_expert(lg, 3), ValueError, "topk_ids must have dtype"),
     (lambda x, lg, gu, dn: dk.moe_tokens_per_expert(lg.long(), 0), ValueError, "num_experts must be >= 1"),
-    (lambda x, lg, gu, dn: dk.moe_unpermute(x, (1, 2, 3), lg[:, :2]), TypeError, "permutation must be a MoEPermutation"),
+    (lambda x, lg, gu, dn: dk.moe_unpermute(x, (1, 2, 3), lg[:, :2]), TypeError,
+     "permutation must be a MoEPermutation"),
 ])
 def test_fused_moe_and_helpers_reject_bad_arguments(call, err, match):
     a = _bad()

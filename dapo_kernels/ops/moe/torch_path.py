@@ -2,12 +2,12 @@
 
 Expert ``e``'s rows go to slots ``e * C : e * C + count[e]`` of an ``[E, C, *]`` buffer, ``C`` the
 largest count (read to the host: this is the CPU path, where a read costs nothing), and each of the
-forward's two matmuls and the backward's four is one ``torch.bmm`` over all experts: no Python loop
+forward's two matmuls and the backward's five is one ``torch.bmm`` over all experts: no Python loop
 over experts, no per-expert read (transformers' loop makes one per expert). Padding rows are zero and
 are zeroed again after every matmul, so a non-finite weight of an expert reaches only that expert's
-real rows. The backward recomputes the experts' outputs for the routing weights' gradient (one more
-matmul, no ``[T*k, H]`` tensor kept from the forward). 16-bit inputs compute in float32 (rounded once on the way out; the saved ``gate_up_out``
-in the inputs' dtype, as the Triton path saves it).
+real rows. The backward recomputes the experts' outputs for the routing weights' gradient (its fifth
+matmul; no ``[T*k, H]`` tensor kept from the forward). 16-bit inputs compute in float32 (rounded once
+on the way out; the saved ``gate_up_out`` in the inputs' dtype, as the Triton path saves it).
 """
 from __future__ import annotations
 

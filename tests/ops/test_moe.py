@@ -15,7 +15,7 @@ from dapo_kernels.reference import (moe_experts_ref, moe_load_balancing_loss_ref
                                     moe_tokens_per_expert_ref)
 from tests.helpers import BACKENDS, assert_equal, backend, case_id
 from tests.sync_counter import count_host_syncs
-from tests.tolerance import assert_close_to_ref
+from tests.tolerance import assert_close_to_ref, worst_of
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -58,6 +58,19 @@ def _leaves(*ts, dtype=None):
     return [t.detach().to(dtype or t.dtype).requires_grad_() for t in ts]
 
 
+def _batched_way(x, gate_up, down, w, ids, compute_dtype):
+    """transformers' other experts implementation ("batched_mm" in transformers.integrations.moe): each
+    (token, choice) row through its expert's gathered weights by ``bmm``, the k rows summed; in ``compute_dtype``."""
+    T, k = ids.shape
+    E = gate_up.shape[0]
+    valid = ((ids >= 0) & (ids < E)).reshape(-1, 1)
+    e = ids.clamp(0, E - 1).reshape(-1)
+    xs = x.to(compute_dtype).repeat_interleave(k, 0)
+    g, u = torch.bmm(gate_up.to(compute_dtype)[e], xs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+    y = torch.bmm(down.to(compute_dtype)[e], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, y * w.to(compute_dtype).reshape(-1, 1), 0.0).view(T, k, x.shape[1]).sum(1)
+
+
 NAMES = ("out", "d_hidden_states", "d_gate_up_proj", "d_down_proj", "d_topk_weights")
 
 # (T, H, I, E, k, dtype, ids): every dtype, odd sizes, T = 0 / 1, skewed (experts with 0 and > 16 rows),
@@ -90,10 +103,12 @@ def test_experts_match_reference(be, T, H, I, E, k, dtype, kind):
     ref_leaves = _leaves(x, gate_up, down, w, dtype=torch.float64)
     ref = moe_experts_ref(*ref_leaves, ids)
     ref = (ref,) + _grads(ref, ref_leaves, dout.double())
-    plain_leaves = _leaves(x, gate_up, down, w)
-    plain = moe_experts_ref(*plain_leaves, ids, compute_dtype=dtype)
-    plain = (plain,) + _grads(plain, plain_leaves, dout)
-    for name, a, r, p in zip(NAMES, got, ref, plain):
+    ways = []  # torch's usual ways in the dtype: transformers' loop over experts, and its batched_mm
+    for way in (moe_experts_ref, _batched_way):
+        plain_leaves = _leaves(x, gate_up, down, w)
+        plain = way(*plain_leaves, ids, compute_dtype=dtype)
+        ways.append((plain,) + _grads(plain, plain_leaves, dout))
+    for name, a, r, p in zip(NAMES, got, ref, worst_of(ways, ref)):
         assert a.dtype == p.dtype, f"{name}: dtype {a.dtype}"
         assert_close_to_ref(a, r, p, name=name)
 

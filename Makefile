@@ -10,7 +10,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 TEST_WORKERS ?= 2
 
 .PHONY: all install demo demo-dialog test test-vllm vllm-install test-verl verl-install browser bench bench-deps clean \
-	test-lowest lowest-install test-triton-versions
+	test-lowest lowest-install test-triton-versions \
+	trl-install bench-trl
 
 all: install
 
@@ -195,5 +196,29 @@ bench-deps: install $(VENV)/.bench-deps
 bench: bench-deps
 	$(PY) -m pytest benchmarks --benchmark-only -p no:xdist
 
+# TRL's GRPOTrainer side by side with this trainer on make demo's task (issue 42,
+# benchmarks/bench_trl_step.py). TRL is a benchmark-only peer: its own venv layered over .venv like
+# vLLM's and verl's (torch, transformers and dapo_kernels come from .venv; requirements-trl.txt is
+# what trl adds). The install is checked to have left .venv's torch and transformers in place.
+# BENCH_TRL_ARGS="--seeds 0 --steps 10" for a shorter run.
+TRL_VENV := .venv-trl
+TRL_PY   := $(TRL_VENV)/bin/python
+BENCH_TRL_ARGS ?=
+
+$(TRL_VENV)/.installed: requirements-trl.txt | $(VENV)/.ext
+	rm -rf $(TRL_VENV)
+	$(call layered_venv,$(TRL_VENV))
+	$(TRL_PY) -m pip --disable-pip-version-check install -q -r requirements-trl.txt
+	$(TRL_PY) -c "import os, torch, transformers, trl; base = os.path.realpath('$(abspath $(VENV))'); \
+	  bad = [m.__name__ for m in (torch, transformers) if not os.path.realpath(m.__file__).startswith(base)]; \
+	  assert not bad, f'{bad} installed into $(TRL_VENV) over .venv'; \
+	  print('trl', trl.__version__, 'over torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+trl-install: $(TRL_VENV)/.installed
+
+bench-trl: trl-install
+	$(TRL_PY) benchmarks/bench_trl_step.py $(BENCH_TRL_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(LOWEST_VENV) $(TRITON_DIR) build *.egg-info dapo_kernels/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(TRL_VENV) $(LOWEST_VENV) $(TRITON_DIR) build *.egg-info dapo_kernels/_C*.so

@@ -163,6 +163,15 @@ def after_first(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def quantile(xs, q):
+    """The ``q`` quantile of ``xs`` (linear between the order statistics)."""
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
 def cumulative(xs):
     out, t = [], 0.0
     for x in xs:
@@ -395,11 +404,16 @@ def at_time(curve, t):
 def summary(r, before):
     """One run's figures (``r``: a worker's JSON; ``before``: the held-out accuracy at step 0)."""
     step = r["parts"]["step"]
-    samples, tokens = after_first(r["samples"]), after_first(r["tokens"])
+    # Per sample and per token: the steps' time over their samples / tokens (after the first step).
+    # Means, not medians: with carry-over a step of ours may generate nothing (its groups kept before).
+    k = 1 if len(r["step_s"]) > 1 else 0
+    t, samples, tokens = sum(r["step_s"][k:]), sum(r["samples"][k:]), sum(r["tokens"][k:])
+    n = len(r["step_s"]) - k
     curve = [[0, 0.0, before]] + [list(c) for c in r["curve"]]
-    return {"step": step, "samples": samples, "tokens": tokens, "per_sample_ms": 1e3 * step / samples,
-            "per_token_ms": 1e3 * step / tokens, "final": curve[-1][2], "final_step": curve[-1][0],
-            "train_s": sum(r["step_s"]), "curve": curve, "heldout_own": r["heldout_own"],
+    return {"step": step, "samples": samples / n, "tokens": tokens / n, "per_sample_ms": 1e3 * t / samples,
+            "per_token_ms": 1e3 * t / tokens, "final": curve[-1][2], "final_step": curve[-1][0],
+            "train_s": sum(r["step_s"]), "curve": curve, "p90_p10": quantile(r["step_s"][k:], 0.9) /
+            quantile(r["step_s"][k:], 0.1), "heldout_own": r["heldout_own"],
             "gen_batches": after_first(r["gen_batches"]), "wall_s": r["wall_s"]}
 
 
@@ -443,7 +457,9 @@ def ratio_table(results, before, peer="trl"):
             vals = [by[n][s][key] for s in seeds]
             cells.append(per_seed(vals, spec))
             if peers and n != peer:
-                if ratio == "ratio":
+                if ratio is None:
+                    cells.append("-")
+                elif ratio == "ratio":
                     cells.append(per_seed([by[n][s][key] / peers[s][key] for s in seeds], "{:.2f}"))
                 else:  # difference, in points
                     ds = [by[n][s][key] - peers[s][key] for s in seeds]
@@ -451,10 +467,11 @@ def ratio_table(results, before, peer="trl"):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     row("time per step, s (median after the first)", "step", "{:.3f}")
-    row("samples generated per step", "samples", "{:.0f}")
+    row("samples generated per step (mean)", "samples", "{:.0f}")
     row("time per generated sample, ms", "per_sample_ms", "{:.2f}")
-    row("response tokens trained per step", "tokens", "{:.0f}")
+    row("response tokens trained per step (mean)", "tokens", "{:.0f}")
     row("time per trained token, ms", "per_token_ms", "{:.3f}")
+    row("step time within the run, p90 / p10", "p90_p10", "{:.2f}", ratio=None)
     row("training time of the run, s (sum of steps)", "train_s", "{:.1f}")
     # Held-out accuracy in percent; at equal steps (the last) and at equal training time.
     for n in cols:
@@ -542,6 +559,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=None, help="the demo's asset cache (default .cache/dapo_demo)")
     p.add_argument("--run-root", default=None, help="the runs' directories (default runs/bench_trl)")
     p.add_argument("--out", default=None, help="also write the tables here (markdown)")
+    p.add_argument("--report", metavar="RESULTS_JSON", default=None,
+                   help="print (and --out) the tables of an earlier run's results.json, running nothing")
     p.add_argument("--smoke", action="store_true",
                    help="toy sizes (2 steps, 1 seed, 16 held-out rows, a 5-step warm start, dynamic sampling "
                         "off, a temporary cache and run directory): checks that everything runs; TRL's runs "
@@ -572,7 +591,7 @@ def parse_args(argv=None):
     bad = [t for t in trainers if t not in TRAINERS]
     if bad:
         p.error(f"--trainers: unknown {bad}; choose from {', '.join(TRAINERS)}")
-    if "trl" in trainers and not trl_importable():
+    if "trl" in trainers and not trl_importable() and not args.report:
         if not args.smoke:
             p.error(TRL_MISSING)
         print(f"TRL runs skipped: {TRL_MISSING}", flush=True)
@@ -581,10 +600,24 @@ def parse_args(argv=None):
     return args
 
 
+def report(path, out=None):
+    """The tables of a saved ``results.json`` (written by an earlier run)."""
+    with open(path) as f:
+        saved = json.load(f)
+    text = tables(saved["results"], saved["meta"])
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.report:
+        return report(args.report, args.out)
     trainers = args.trainer_list
     if "ours_bypass" in trainers and not has_rollout_correction():
         print("ours_bypass dropped: this trainer has no algorithm.rollout_correction", flush=True)

@@ -207,7 +207,17 @@ def run_ours(args, assets, variant, run_dir):
     ]
     cfg = load_config(DEFAULT_CONFIG, overrides)
     t0 = time.perf_counter()
-    DAPOTrainer(cfg).fit()
+    trainer, cpu_s = DAPOTrainer(cfg), []
+    step_fn = trainer.train_step
+
+    def train_step():  # the step's CPU time too (one thread: what the step costs without other load)
+        c = time.process_time()
+        metrics = step_fn()
+        cpu_s.append(time.process_time() - c)
+        return metrics
+
+    trainer.train_step = train_step
+    trainer.fit()
     wall = time.perf_counter() - t0
     rows = [m for m in read_metrics(os.path.join(run_dir, "run")) if "timing_s/step" in m]
     final = next(m for m in reversed(rows) if "val/acc" in m)
@@ -225,7 +235,8 @@ def run_ours(args, assets, variant, run_dir):
         k = int(d.split("_")[-1])
         model, tok = load_hf(os.path.join(root, d, "model"))
         curve.append([k, cum[k - 1], hf_heldout_accuracy(model, tok, val_rows)])
-    return {"step_s": step_s, "parts": parts, "curve": curve, "heldout_own": final["val/acc"], "wall_s": wall,
+    return {"step_s": step_s, "cpu_s": cpu_s, "parts": parts, "curve": curve, "heldout_own": final["val/acc"],
+            "wall_s": wall,
             "samples": [m.get("train/gen_responses", float("nan")) for m in rows],
             "tokens": [m.get("train/num_tokens", float("nan")) for m in rows],
             "gen_batches": [m.get("train/num_gen_batches", 1.0) for m in rows]}
@@ -279,12 +290,14 @@ def run_trl(args, assets, run_dir):
 
     class Timer(TrainerCallback):
         def __init__(self):
-            self.begin, self.end = [], []
+            self.begin, self.end, self.cpu_begin, self.cpu_end = [], [], [], []
 
         def on_step_begin(self, a, state, control, **kw):
             self.begin.append(time.perf_counter())
+            self.cpu_begin.append(time.process_time())
 
         def on_step_end(self, a, state, control, **kw):
+            self.cpu_end.append(time.process_time())
             self.end.append(time.perf_counter())
 
     class HeldOut(TrainerCallback):
@@ -330,6 +343,7 @@ def run_trl(args, assets, run_dir):
     wall = time.perf_counter() - t0
 
     step_s = [timer.end[U * k + U - 1] - timer.begin[U * k] for k in range(len(timer.end) // U)]
+    cpu_s = [timer.cpu_end[U * k + U - 1] - timer.cpu_begin[U * k] for k in range(len(timer.end) // U)]
     cum = cumulative(step_s)
 
     def per_step(name, parent=None):
@@ -351,7 +365,8 @@ def run_trl(args, assets, run_dir):
              "update_actor": after_first(s - p for s, p in zip(step_s, prep)),
              "update_forward_loss": after_first(fwd)}
     curve = [[k, cum[k - 1], a] for k, a in sorted(held.acc.items())]
-    return {"step_s": step_s, "parts": parts, "curve": curve, "heldout_own": curve[-1][2], "wall_s": wall,
+    return {"step_s": step_s, "cpu_s": cpu_s, "parts": parts, "curve": curve, "heldout_own": curve[-1][2],
+            "wall_s": wall,
             "samples": [float(c[0]) for c in Counted.counts], "tokens": [c[1] for c in Counted.counts],
             "gen_batches": [1.0] * len(step_s)}
 
@@ -410,7 +425,9 @@ def summary(r, before):
     t, samples, tokens = sum(r["step_s"][k:]), sum(r["samples"][k:]), sum(r["tokens"][k:])
     n = len(r["step_s"]) - k
     curve = [[0, 0.0, before]] + [list(c) for c in r["curve"]]
-    return {"step": step, "samples": samples / n, "tokens": tokens / n, "per_sample_ms": 1e3 * t / samples,
+    cpu = r.get("cpu_s")  # (runs before the CPU time was recorded have none)
+    return {"step": step, "cpu": after_first(cpu) if cpu else float("nan"), "samples": samples / n,
+            "tokens": tokens / n, "per_sample_ms": 1e3 * t / samples,
             "per_token_ms": 1e3 * t / tokens, "final": curve[-1][2], "final_step": curve[-1][0],
             "train_s": sum(r["step_s"]), "curve": curve, "p90_p10": quantile(r["step_s"][k:], 0.9) /
             quantile(r["step_s"][k:], 0.1), "heldout_own": r["heldout_own"],
@@ -467,6 +484,8 @@ def ratio_table(results, before, peer="trl"):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     row("time per step, s (median after the first)", "step", "{:.3f}")
+    if all(by[n][s]["cpu"] == by[n][s]["cpu"] for n in cols for s in seeds):
+        row("CPU time per step, s (process time, median after the first)", "cpu", "{:.3f}")
     row("samples generated per step (mean)", "samples", "{:.0f}")
     row("time per generated sample, ms", "per_sample_ms", "{:.2f}")
     row("response tokens trained per step (mean)", "tokens", "{:.0f}")

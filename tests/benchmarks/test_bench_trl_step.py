@@ -95,6 +95,14 @@ def test_ratio_table_from_made_up_runs():
     assert "- trl seed 1: 0: 0s 10.0, 2: 2s 40.0, 4: 2s 70.0" in text
 
 
+def test_cpu_time_row_only_where_every_run_recorded_it():
+    runs = [_run("ours", 0, 0.6, 256, 300, [[4, 3.0, 0.9]]), _run("trl", 0, 0.5, 128, 600, [[4, 2.5, 0.6]])]
+    assert not any("CPU time per step" in ln for ln in bench.ratio_table(runs, before=0.1)[0])
+    runs[0]["cpu_s"], runs[1]["cpu_s"] = [1.0, 0.3, 0.3, 0.3], [1.0, 0.4, 0.4, 0.4]
+    row = next(ln for ln in bench.ratio_table(runs, before=0.1)[0] if "CPU time per step" in ln)
+    assert row.split(" | ")[1:4] == ["0.400", "0.300", "0.75 |"]
+
+
 def test_at_time_takes_the_last_evaluation_within_the_time():
     curve = [[0, 0.0, 0.1], [5, 3.0, 0.5], [10, 6.0, 0.9]]
     assert bench.at_time(curve, 2.9) == [0, 0.0, 0.1]

@@ -122,8 +122,10 @@ def test_every_exception_names_its_reason():
     assert any(e.reason.startswith("issue 31: 128 keys x 32 queries at 8 warps gives N=32") for e in narrow)
 
 
-# The test set in two halves per arch (attention; every other op), each one aot.py process, so each stays
-# well inside the per-test timeout on a loaded 2-core machine with a cold kernel cache.
+# The test set in two halves per arch (attention; every other op), one aot.py process each, so the two
+# workers share the compiles. A cold cache takes ~5 min per half on a quiet core, 3-4x that on a loaded
+# machine: the limit only catches a hung compiler (CPU-time rules are the timing tests' business).
+COMPILE_LIMIT_S = 2400
 ATTENTION = "varlen_attention"
 PARTS = {"attention": (ATTENTION,), "other_ops": tuple(sorted({c.op for c in aot.cases("test")} - {ATTENTION}))}
 
@@ -134,6 +136,7 @@ def _in_part(module: str, part: str) -> bool:
         module.split("/")[0].removesuffix(".py") != ATTENTION
 
 
+@pytest.mark.timeout(COMPILE_LIMIT_S + 60)
 @pytest.mark.parametrize("part", PARTS)
 @pytest.mark.parametrize("arch", aot.ARCHS, ids=[f"sm_{a}" for a in aot.ARCHS])
 def test_every_kernel_compiles_fits_and_does_not_spill(arch, part, tmp_path):
@@ -142,7 +145,7 @@ def test_every_kernel_compiles_fits_and_does_not_spill(arch, part, tmp_path):
     out = tmp_path / "records.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "aot.py"), "--set", "test",
                            "--arch", str(arch), "--ops", *PARTS[part], "--json", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=540)
+                          capture_output=True, text=True, timeout=COMPILE_LIMIT_S)
     assert proc.returncode == 0, f"aot.py failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     records = [aot.Record(**r) for r in json.loads(out.read_text())]
     print(f"sm_{arch} {part}: {len(records)} kernels compiled in {sum(r.compile_s for r in records):.0f} s\n"

@@ -168,22 +168,23 @@ test-lowest: lowest-install
 	$(LOWEST_PY) -m pytest tests/ops tests/test_aot_compile.py tests/test_no_extension.py -n $(TEST_WORKERS) \
 	  --timeout=600 -p no:cacheprovider
 
-# Every Triton minor version between the lowest declared and the pinned one compiles the AOT test
-# set (not part of make test: each version is a fresh compile of every kernel). Each Triton is
-# installed alone into .venv-triton/<version> and put first on PYTHONPATH over .venv.
-TRITON_VERSIONS ?= 3.7.1 3.8.0
+# Every Triton minor version from the lowest declared to the pinned one compiles the AOT test set
+# (not part of make test: each version is a fresh compile of every kernel). Each Triton is installed
+# alone into .venv-triton/<version> and put first on PYTHONPATH over .venv (3.6: torch 2.11's and the
+# GPU image's; 3.9: the dev pin, the same wheel as .venv's).
+TRITON_VERSIONS ?= 3.6.0 3.7.1 3.8.0 3.9.0
 TRITON_DIR      := .venv-triton
 
 $(TRITON_DIR)/%/.installed: | $(VENV)/.ext
 	$(PIP) install -q --no-deps --target $(TRITON_DIR)/$* "triton==$*"
 	touch $@
 
-# (make test covers the lowest, in .venv-lowest, and the pinned one, in .venv.)
+# (make test also compiles the set under the lowest, in .venv-lowest, and the pinned one, in .venv.)
 test-triton-versions: $(foreach v,$(TRITON_VERSIONS),$(TRITON_DIR)/$(v)/.installed)
 	for v in $(TRITON_VERSIONS); do \
 	  PYTHONPATH=$(abspath $(TRITON_DIR))/$$v $(PY) -c "import triton; print('triton', triton.__version__)" && \
 	  PYTHONPATH=$(abspath $(TRITON_DIR))/$$v $(PY) -m pytest tests/test_aot_compile.py -n $(TEST_WORKERS) \
-	    -p no:cacheprovider || exit 1; done
+	    -p no:cacheprovider -q || exit 1; done
 
 # Benchmark-only peers (never dependencies of the library itself).
 $(VENV)/.bench-deps: requirements-bench.txt requirements-bench-nodeps.txt $(VENV)/.deps

@@ -19,12 +19,7 @@ weights' size per step, the same at every T (hence its flat time), and the large
 ``dk.fused_moe``'s torch path runs each matmul as one ``bmm`` over the experts padded to the largest
 count (measured at ~29 GFLOP/s, as a plain ``mm`` of the same size on this CPU's one thread).
 
-Measured (2 shared AMD EPYC cores, one thread; best of 5):
-
-| T | transformers ms | host reads | dk.fused_moe ms | host reads | speedup |
-|---|---|---|---|---|---|
-| 256 | 1701.8 | 643 | 86.9 | 1 | 19.6x |
-| 1024 | 1658.7 | 643 | 408.2 | 1 | 4.1x |
+Measured figures: benchmarks/RESULTS.md ("MoE block on the CPU").
 """
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def _configs(kernel: str, dtype, d: int, local: bool, softcap: bool, toy: bool):
     if kernel == "fwd" and arch == 90 and dtype.itemsize == 2 and triton_fwd_tma.DESCRIPTORS and \
             tiles._tile_dim(d) in tiles._GPU_TILES["tma_fwd", 90, 2]:  # the launcher's Hopper kernel (tma_offered)
         out, hopper = [], triton_fwd_tma._varlen_attention_fwd_hopper_kernel
-        for row in ("fwd", "tma_fwd") + (() if local or softcap else ("tma_fwd_plain",)):
+        for row in triton_fwd_tma._rows(local, softcap):
             cap = triton_fwd_tma._MAXNREG.get(row)
             for bn, w, s in tiles._GPU_TILES[row, 90, 2].get(tiles._tile_dim(d), (0, ()))[1]:
                 out.append((f"{'TMA ' * (row != 'fwd')}BLOCK_N={bn} w{w} s{s}{f' maxnreg{cap}' * bool(cap)}", hopper,

@@ -70,9 +70,22 @@ def test_tma_autotune_space_holds_todays_configs():
     pointer = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs if not c.kwargs["TMA"]}
     assert pointer == {t for _, ts in tiles._GPU_TILES["fwd", 90, 2].values() for t in ts}
     assert any(c.kwargs["TMA"] for c in configs)
-    for kernel in ("tma_fwd", "tma_fwd_plain"):
-        for d, (outer, inner) in tiles._GPU_TILES[kernel, 90, 2].items():
+    for kernel in ("tma_fwd", "tma_fwd_masked", "tma_fwd_plain"):
+        for d, (outer, inner) in tiles._GPU_TILES.get((kernel, 90, 2), {}).items():
             assert outer == tiles._GPU_TILES["fwd", 90, 2][d][0] and all(outer % t[0] == 0 for t in inner)
+
+
+def test_masked_launches_get_the_masked_descriptor_rows():
+    """With a window or softcap a launch is offered the pointer row and the descriptor row's masked form (a
+    subset of tma_fwd where the table has one), never the register-capped plain row; without either, all three."""
+    assert triton_fwd_tma._rows(False, False) == ("fwd", "tma_fwd", "tma_fwd_plain")
+    for local, softcap in ((True, False), (False, True), (True, True)):
+        rows = triton_fwd_tma._rows(local, softcap)
+        assert rows[0] == "fwd" and rows[1] in ("tma_fwd", "tma_fwd_masked") and len(rows) == 2
+    masked = tiles._GPU_TILES.get(("tma_fwd_masked", 90, 2))
+    if masked is not None:  # (Triton < 3.8: the D = 256 descriptor tile spills with a mask)
+        assert all(tiles._GPU_TILES["tma_fwd", 90, 2][d] == c for d, c in masked.items())
+        assert 256 in tiles._GPU_TILES["tma_fwd", 90, 2] and 256 not in masked
 
 
 def test_tma_offered_needs_16_byte_alignment_and_a_tile_row():

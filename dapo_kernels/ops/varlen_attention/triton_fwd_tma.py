@@ -68,12 +68,22 @@ def _configs(interpret: bool = INTERPRET):
     interpreter gets one small descriptor config (the launcher forces a variant there)."""
     if interpret:
         return [triton.Config({"BLOCK_N": 16, "TMA": True}, num_warps=1, num_stages=1)]
-    out = []
-    for kernel in ("fwd", "tma_fwd", "tma_fwd_plain"):
-        tiles = {c for _, cs in _GPU_TILES[kernel, 90, 2].values() for c in cs}
-        out += [triton.Config({"BLOCK_N": bn, "TMA": kernel != "fwd"}, num_warps=w, num_stages=s,
-                              maxnreg=_MAXNREG.get(kernel)) for bn, w, s in sorted(tiles)]
-    return out
+    out = {}
+    for kernel in ("fwd", "tma_fwd", "tma_fwd_masked", "tma_fwd_plain"):
+        for bn, w, s in sorted({c for _, cs in _GPU_TILES.get((kernel, 90, 2), {}).values() for c in cs}):
+            key = (kernel != "fwd", bn, w, s, _MAXNREG.get(kernel))  # (tma_fwd_masked repeats tma_fwd's configs)
+            out.setdefault(key, triton.Config({"BLOCK_N": bn, "TMA": key[0]}, num_warps=w, num_stages=s,
+                                              maxnreg=key[4]))
+    return list(out.values())
+
+
+def _rows(local: bool, softcap: bool) -> tuple:
+    """The _GPU_TILES rows whose configs a launch is offered: the pointer row, the descriptor row (its
+    ``tma_fwd_masked`` form with a window or softcap, where the table has one) and without either mask
+    the register-capped ``tma_fwd_plain`` row."""
+    if local or softcap:
+        return ("fwd", "tma_fwd_masked" if ("tma_fwd_masked", 90, 2) in _GPU_TILES else "tma_fwd")
+    return ("fwd", "tma_fwd", "tma_fwd_plain")
 
 
 def _prune(configs, named_args, **kwargs):
@@ -82,9 +92,8 @@ def _prune(configs, named_args, **kwargs):
     if INTERPRET:
         return configs
     dtype, head_dim = named_args["p_q"].dtype, kwargs["HEAD_DIM"]
-    rows = ("fwd", "tma_fwd") + (() if kwargs["LOCAL"] or kwargs["SOFTCAP"] else ("tma_fwd_plain",))
     offered = {(kernel != "fwd", bn, w, s, _MAXNREG.get(kernel))
-               for kernel in rows
+               for kernel in _rows(kwargs["LOCAL"], kwargs["SOFTCAP"])
                for bn, w, s in _GPU_TILES.get((kernel, _arch_family(), dtype.itemsize), {}).get(
                    _tile_dim(head_dim), (0, ()))[1]}
     return [c for c in configs if (c.kwargs["TMA"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg)

@@ -96,6 +96,22 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
                       cu_seqlens=to_device_checked(torch.tensor(cu, dtype=torch.int32), device), max_seqlen=max(lens))
 
 
+def rollout_log_probs(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None) -> torch.Tensor:
+    """The sampler's log-probs of ``rows`` (``batch.log_probs``, the behaviour policy's) in
+    :func:`pack_micro_batch`'s layout: ``[T]``, response token ``t`` at position ``prompt_len - 1 + t``
+    (the position that predicts it), 0 elsewhere; under sequence parallelism this rank's shard."""
+    parts = []
+    for i in rows:
+        pl, rl = int(batch.prompt_len[i]), int(batch.response_len[i])
+        lp = torch.zeros(pl + rl, dtype=torch.float32)
+        lp[pl - 1:pl + rl - 1] = batch.log_probs[i, :rl]
+        parts.append(lp)
+    out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+    if sp_group is not None:
+        out = shard_sequence(out, sp_group)
+    return out.to(device)
+
+
 def build_optimizer(model, optim_cfg, total_training_steps: int):
     """AdamW and its warmup schedule, ``actor_rollout_ref.actor.optim``."""
     o = optim_cfg
@@ -197,10 +213,16 @@ class Actor:
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1).
-        on_policy = a.ppo_epochs == 1 and len(plan) == 1
+        # use_rollout_log_probs: the old log-probs are the sampler's (the behaviour policy's), never recomputed.
+        on_policy = a.ppo_epochs == 1 and len(plan) == 1 and not a.use_rollout_log_probs
         timing = {}
         t0 = time.perf_counter()
-        if not on_policy:
+        if a.use_rollout_log_probs:
+            sp = self.dims.sp_group
+            packed = [[replace(mb, old_log_prob=rollout_log_probs(batch, rows, self.device, sp) if rows else
+                               mb.input_ids.new_zeros(0, dtype=torch.float32))
+                       for mb, rows in zip(mbs, p.micro)] for mbs, p in zip(packed, plan)]
+        elif not on_policy:
             packed = self._with_log_probs(self.model, plan, packed, "old_log_prob")
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()

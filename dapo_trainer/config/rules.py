@@ -223,3 +223,20 @@ def notes(cfg: Config) -> List[str]:
                    f"tensor parallel size; the embedded rollout (rollout.name={r.name!r}) samples on the actor's "
                    f"layout ({ACTOR}.tensor_model_parallel_size={a.tensor_model_parallel_size}) and ignores it")
     return out
+
+
+@rule
+def async_training_supported(cfg: Config) -> None:
+    at = cfg.async_training
+    if not at.enable:
+        return
+    require(not at.partial_rollout, "async_training.partial_rollout",
+            "true (a weight sync interrupting a generation batch) is not implemented: a rollout worker takes new "
+            "weights between its generation batches; set it to false")
+    r = cfg.actor_rollout_ref.rollout
+    require(r.name == "embedded", f"{ROLLOUT}.name",
+            f"async_training.enable=true runs the embedded sampler in the rollout workers; {r.name!r} is not "
+            "implemented there")
+    require(cfg.trainer.device in ("cpu", "auto"), "trainer.device",
+            f"async_training.enable=true runs on the CPU only (gloo weight sync); got {cfg.trainer.device!r}")
+

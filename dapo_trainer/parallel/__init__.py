@@ -8,6 +8,9 @@ Typical multi-node setup (launched by ``torchrun``)::
     model = load_hf_model(path, device=device)
     parallelize(model, mesh["tp"].get_group())
     apply_fsdp(model, mesh["dp"], param_dtype=torch.bfloat16)
+    loss.backward()      # each micro-batch of an update, then once per update:
+    tp_grad_sync(model)  # the per-head q/k norms' partial gradients (Qwen3, Gemma 3) summed over TP
+    optimizer.step()
 """
 from .collectives import collective_device
 from .data_parallel import apply_ddp, apply_fsdp, balanced_dp_split, global_mean_scale, sp_micro_batches
@@ -18,7 +21,7 @@ from .pipeline import (apply_pipeline, build_pipeline, pipeline_state_dict, stag
                        tied_parameter)
 from .sequence import apply_sequence_parallel, sequence_parallel_group, shard_sequence
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead,
-                     full_state_dict, parallelize, tensor_parallel_group, tp_shard_dims, unshard)
+                     full_state_dict, parallelize, tensor_parallel_group, tp_grad_sync, tp_shard_dims, unshard)
 
 __all__ = [
     "ParallelDims",
@@ -32,6 +35,7 @@ __all__ = [
     "stage_keep",
     "parallelize",
     "tensor_parallel_group",
+    "tp_grad_sync",
     "apply_sequence_parallel",
     "sequence_parallel_group",
     "shard_sequence",

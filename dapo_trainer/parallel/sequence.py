@@ -7,7 +7,8 @@ as it is. Around attention one all-to-all turns "my tokens, every head" into "ev
 ``H/n`` heads" for q, k and v, ``dk.varlen_attention`` runs on whole sequences with the
 micro-batch's ``cu_seqlens``, and one all-to-all turns the output back (backward: the opposite
 exchanges). With fewer KV heads than ranks (GQA) each rank gets a copy of the KV head its
-query heads read.
+query heads read. Each layer's own attention runs on whole sequences, so its sliding window (Mistral,
+Gemma 3's sliding layers) and softmax scale hold as on one process.
 
 Applied as module replacement and a hook: each layer's ``self_attn.inner_attention`` becomes a
 :class:`UlyssesAttention` around it (rotary tables of the whole micro-batch in, this rank's rows

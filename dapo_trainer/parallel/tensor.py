@@ -7,16 +7,25 @@ module                     becomes                         weight kept on rank r
 =========================  ==============================  =====================================
 q/k/v_proj, gate/up_proj   :class:`ColumnParallelLinear`   output rows (heads / ffn units) r
 o_proj, down_proj          :class:`RowParallelLinear`      input columns r, bias replicated
-embed_tokens               :class:`VocabParallelEmbedding` vocabulary rows r
+embed_tokens               :class:`VocabParallelEmbedding` vocabulary rows r (``padding_idx``
+                                                           kept: the pad row gets no gradient)
 lm_head                    :class:`VocabParallelLMHead`    vocabulary rows r (same rows as the
                                                            embedding, so tying survives)
+q_norm, k_norm (per head)  unchanged                       replicated; gradient summed over the
+                                                           group by :func:`tp_grad_sync`
 =========================  ==============================  =====================================
 
 Each attention / MLP block then costs one all-reduce in forward and one in backward, as
 Megatron's conjugate operators f / g: the block's input passes through ``copy_to_tp``
 (identity forward, all-reduce backward) once, shared by q/k/v (gate/up), and the row-parallel
 output through ``reduce_from_tp`` (all-reduce forward, identity backward). Norms and residuals
-stay replicated; their gradients come out identical on every rank.
+stay replicated; their gradients come out identical on every rank, except the per-head q/k norms of
+Qwen3 / Gemma 3: their ``[head_dim]`` weight is shared by all heads, and each rank sees only its own
+heads, so each holds a partial gradient. As Megatron's ``finalize_model_grads`` does for its
+layer norms under sequence parallelism (and as DDP / FSDP sum the layer norms' partial gradients over
+the Ulysses ranks here), :func:`tp_grad_sync` sums them over the group once per optimizer update (one
+all-reduce of them all, after the last backward, before clipping): whoever steps a tensor-parallel
+model calls it (the trainer's actor does).
 The vocabulary-parallel lm_head gives the logits gathered over the group and the log-probs
 through ``dk.linear_log_probs(..., process_group=tp_group)`` (:meth:`Transformer.log_probs`).
 The parallel modules hold the group: :func:`tensor_parallel_group` reads it back from a model.
@@ -34,6 +43,10 @@ import dapo_kernels as dk
 
 from ..model import Transformer
 from .collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+
+TP_KEY = "actor_rollout_ref.actor.tensor_model_parallel_size"
+# Name endings of the replicated parameters whose gradient a tensor-parallel rank computes in part.
+HEAD_SHARED = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 # --------------------------------------------------------------------------- parallel modules
@@ -89,18 +102,25 @@ class RowParallelLinear(_Sharded):
 
 
 class VocabParallelEmbedding(_Sharded):
-    """Embedding whose rows ``[start, start + V/tp)`` live on this rank; ids elsewhere give 0."""
+    """Embedding whose rows ``[start, start + V/tp)`` live on this rank; ids elsewhere give 0.
+
+    The embedding's ``padding_idx`` (transformers': ``pad_token_id``) is kept: the rank holding that
+    row leaves it out of the gradient, as ``nn.Embedding`` does (ids of other ranks' rows, mapped to
+    local row 0 here, are masked to 0 after the lookup and so give row 0 no gradient either)."""
 
     shard_dim = 0
 
     def __init__(self, embedding: nn.Embedding, group):
         super().__init__(embedding, group)
-        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+        rows = self.weight.shape[0]
+        self.vocab_start = dist.get_rank(group) * rows
+        pad = getattr(embedding, "padding_idx", None)
+        self.padding_idx = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < rows else None
 
     def forward(self, ids):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.padding_idx)
         return reduce_from_tp(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
@@ -154,19 +174,18 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
 
     Every rank of the group must hold the same full weights when this is called (load
     the checkpoint on each rank, or broadcast). Head counts, the intermediate size and
-    the vocabulary must divide by the group size (ValueError otherwise).
+    the vocabulary must divide by the group size (ValueError otherwise). A model with per-head
+    q/k norms (Qwen3, Gemma 3) needs :func:`tp_grad_sync` after its backward.
     """
     check_not_yet(model, "tp_group", "tensor", tensor_parallel_group(model))
     tp = dist.get_world_size(tp_group)
     cfg = model.config
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         if getattr(cfg, name) % tp:
-            raise ValueError(f"{name} ({getattr(cfg, name)}) must be divisible by the tensor-parallel size {tp}")
+            raise ValueError(f"{name} ({getattr(cfg, name)}) must be divisible by the tensor-parallel size {tp} "
+                             f"({TP_KEY}={tp}; model_type {cfg.model_type!r})")
     if tp == 1:
         return model
-    if cfg.qk_norm:  # each rank's heads give a partial gradient of the shared [head_dim] norm weights
-        raise ValueError(f"model_type {cfg.model_type!r}: q/k norm under tensor parallelism is not supported yet "
-                         "(its weight gradients would need a sum over the tensor-parallel group)")
     for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
         for block, cols, row in ((attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
@@ -181,6 +200,38 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def head_shared_grads(model: nn.Module) -> list:
+    """Gradients (local tensors; FSDP2: this rank's shard) of ``model``'s parameters replicated over the
+    tensor-parallel group whose gradient each rank computes for its own heads only: the per-head q/k
+    norm weights (their names end in :data:`HEAD_SHARED`)."""
+    out = []
+    for name, p in model.named_parameters():
+        if name.endswith(HEAD_SHARED) and p.grad is not None:
+            out.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    return out
+
+
+@torch.no_grad()
+def tp_grad_sync(model: nn.Module) -> None:
+    """Sum over the tensor-parallel group the partial gradients of the replicated per-head q/k norm
+    weights (:func:`head_shared_grads`), in one all-reduce of them all (collective over the group);
+    a no-op without tensor parallelism or without such parameters (Llama, Qwen2, Mistral).
+
+    Call it once per optimizer update, after the last backward of the accumulated micro-batches and
+    before the gradients are clipped or read (DDP / FSDP2 have reduced them over the data-parallel
+    ranks by then; both reductions are linear, so their order does not matter). Every rank of the group
+    holds the same layers (and, under FSDP2, the same shard of each), so the buffers match.
+    """
+    group = tensor_parallel_group(model)
+    grads = head_shared_grads(model) if group is not None else []
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # on the gradients' device, as NCCL wants
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def tp_shard_dims(model: Transformer) -> dict:

@@ -1,5 +1,11 @@
 """dapo_trainer.parallel: TP=2 and DP=2 (FSDP2, DDP) on 2 gloo CPU processes equal 1 process.
 
+Llama / Qwen2 and the families with more to shard: Qwen3 (per-head q/k norms, whose replicated weight
+gets a partial gradient on each TP rank: ``tp_grad_sync``), Mistral (sliding window) and Gemma 3 (q/k
+norms, embedding scale, tied embeddings, sandwich norms, interleaved sliding / full layers with their own
+ropes). The inputs hold each config's ``pad_token_id`` inside sequences: the pad row of the embedding gets
+no gradient (``padding_idx``) under TP either, whichever rank holds it.
+
 One spawn serves every scenario (process start-up dominates the cost): the workers
 write their results to files and the test compares them with the same step run here
 without parallelism. Compared: logits, log-probs (``dk.linear_log_probs``, vocab-parallel
@@ -17,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_trainer import ModelConfig, Transformer, load_hf_model, save_hf_model
+from dapo_trainer.model import FULL, SLIDING
 from dapo_trainer.parallel import (
     apply_ddp,
     apply_fsdp,
@@ -27,6 +34,7 @@ from dapo_trainer.parallel import (
     make_mesh,
     parallelize,
     tensor_parallel_group,
+    tp_grad_sync,
     tp_shard_dims,
     unshard,
 )
@@ -37,6 +45,9 @@ from tests.tolerance import max_abs_err, rel_err
 RTOL = 1e-5
 WORLD = 2
 LENGTHS = [7, 1, 19, 12, 5, 9, 16]
+WINDOW = 5
+# (sequence, position) of pad tokens, never a sequence's last (whose embedding reaches no loss term).
+PADS = {0: [(2, 3), (6, 10)], 70: [(3, 4), (0, 2)]}
 _BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2)
 CONFIGS = {
     # Column-parallel q/k/v biases, embedding tied to the vocab-parallel lm_head.
@@ -45,6 +56,17 @@ CONFIGS = {
     # Row-parallel o/down biases (added once, after the all-reduce), head_dim 32.
     "llama-bias": ModelConfig(**_BASE, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True, o_bias=True,
                               mlp_bias=True),
+    # Per-head q/k norms (their gradient summed over TP), head_dim 24, tied; the pad row on TP rank 1.
+    "qwen3-tied": ModelConfig(**_BASE, num_heads=4, num_kv_heads=2, head_dim=24, qk_norm=True,
+                              tie_word_embeddings=True, pad_token_id=70, model_type="qwen3"),
+    # A window shorter than most sequences; untied, so the pad row's gradient is the embedding's alone.
+    "mistral-window": ModelConfig(**_BASE, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=WINDOW,
+                                  pad_token_id=0, model_type="mistral"),
+    "gemma3": ModelConfig(**_BASE, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, norm_unit_offset=True,
+                          hidden_act="gelu_pytorch_tanh", embed_scale=True, sandwich_norms=True,
+                          query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=(SLIDING, FULL),
+                          rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True, pad_token_id=0,
+                          model_type="gemma3_text"),
 }
 SCENARIOS = ("tp2", "fsdp2", "ddp2")
 # bf16 compute over fp32 master weights (FSDP2 MixedPrecisionPolicy), one config.
@@ -104,6 +126,7 @@ def _run_scenario(name: str, scenario: str, ids_list, workdir: str, group) -> di
                                 hidden_size=64 if scenario == "ddp2" else None)
     ids, cu, max_seqlen = _pack(ids_list, idx)
     logits, log_prob, loss_sum, count = run_step(model, ids, cu, max_seqlen, forward=forward, dp_group=dp_group)
+    tp_grad_sync(model)  # TP: the q/k norms' partial gradients summed (a no-op otherwise)
     totals = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
     if dp_group is not None:
         dist.all_reduce(totals, group=dp_group)
@@ -159,6 +182,9 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
     # Module-independent seed: under xdist this test may run after any other.
     torch.manual_seed((int(os.environ["DAPO_TEST_SEED"]) + zlib.crc32(b"test_parallel")) % 2**31)
     ids_list = [torch.randint(0, _BASE["vocab_size"], (n,)) for n in LENGTHS]
+    for pad, where in PADS.items():
+        for seq, pos in where:
+            ids_list[seq][pos] = pad
     torch.save(ids_list, tmp_path / "inputs.pt")
     refs = {}
     for name, cfg in CONFIGS.items():
@@ -183,10 +209,16 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
             }
             if scenario == "tp2":
                 errs["tp_ranks_agree"] = rel_err(per_rank[1]["logits"][0], per_rank[0]["logits"][0])
+            pad = CONFIGS[name].pad_token_id
+            if pad is not None and not CONFIGS[name].tie_word_embeddings:
+                # padding_idx: the pad row gets no gradient; everywhere else the embedding gets one.
+                g = per_rank[0]["grads"]["embed_tokens.weight"]
+                if g[pad].abs().max() != 0 or ref["grads"]["embed_tokens.weight"][pad].abs().max() != 0:
+                    failures.append(f"{name}/{scenario}: the pad row {pad} of the embedding got a gradient")
             if scenario != "ddp2":
                 saved = load_hf_model(str(tmp_path / f"saved-{name}-{scenario}")).state_dict()
                 errs["saved_ckpt"] = max(rel_err(saved[n], t) for n, t in ref["model"].state_dict().items())
-            table.append(f"{name:11s} {scenario:10s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+            table.append(f"{name:14s} {scenario:10s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
             failures += [f"{name}/{scenario}: {k} rel err {v:.2e} >= {RTOL}" for k, v in errs.items() if v >= RTOL]
 
     # bf16 compute: FSDP2's error against the fp32 model may be at most 2x what plain
@@ -208,7 +240,7 @@ def test_tp2_and_dp2_equal_one_process(tmp_path):
         worst = max(worst, err / bound)
         if err > bound:
             failures.append(f"{name}/{scenario}: {what} error {err:.2e} > 2x plain bf16's ({bound:.2e})")
-    table.append(f"{name:11s} {scenario:10s} worst error / (2x plain bf16 error) = {worst:.2f}")
+    table.append(f"{name:14s} {scenario:10s} worst error / (2x plain bf16 error) = {worst:.2f}")
     for res in per_rank:
         if res["master_dtypes"] != {torch.float32}:
             failures.append(f"{name}/{scenario}: master weights are {res['master_dtypes']}, expected float32")

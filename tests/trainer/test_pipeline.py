@@ -90,8 +90,12 @@ def _run(overrides) -> dict:
     # This rank's gradients after the step's last backward (clipped), unsharded over TP / FSDP2.
     model, shard_dims, tp_group = trainer.model, tp_shard_dims(trainer.model), tensor_parallel_group(trainer.model)
     grads = {n: unshard(p.grad, shard_dims.get(n), tp_group).clone() for n, p in model.named_parameters()}
+    # The sampling replica (PP, SP) refreshed after the update; None where the engine samples from the
+    # training model itself (TP, DP).
+    replica = (None if trainer.rollout_model is trainer.model else
+               {k: v.detach().clone() for k, v in trainer.rollout_model.state_dict().items()})
     return {"metrics": metrics, "batch": batches[0], "weights": weights, "initial": initial, "grads": grads,
-            "replica": {k: v.detach().clone() for k, v in trainer.rollout_model.state_dict().items()}}
+            "replica": replica}
 
 
 def _fit_curve(overrides) -> list:
@@ -103,11 +107,18 @@ def _fit_curve(overrides) -> list:
     return read_metrics(trainer.run_dir)
 
 
-def _worker(rank: int, root: str, base: list, scenarios: dict, curves: dict):
+def _worker(rank: int, root: str, base: list, scenarios: dict, curves: dict, refusals: dict):
     torch.set_num_threads(1)
     out = {name: _run(base + [f"trainer.default_local_dir={root}/{name}"] + extra) for name, extra in scenarios.items()}
     out["curves"] = {name: _fit_curve(base + [f"trainer.default_local_dir={root}/{name}"] + extra)
                      for name, extra in curves.items()}
+    out["refusals"] = {}
+    for name, extra in refusals.items():  # layouts refused at start-up: the message (None: accepted)
+        try:
+            DAPOTrainer(load_config(overrides=base + [f"trainer.default_local_dir={root}/{name}"] + extra))
+            out["refusals"][name] = None
+        except ValueError as e:
+            out["refusals"][name] = str(e)
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
 
 
@@ -155,7 +166,8 @@ def _compare(single: dict, got: dict, name: str) -> list:
     moved = max((v - single["initial"][k]).abs().max().item() for k, v in single["weights"].items())
     if worst > WEIGHT_ATOL:
         fails.append(f"{name}: updated weights differ by {worst:.2e} (the update moved them by {moved:.2e})")
-    replica_err = max((got["replica"][k] - single["weights"][k]).abs().max().item() for k in got["replica"])
+    replica_err = max(((got["replica"][k] - single["weights"][k]).abs().max().item() for k in got["replica"] or ()),
+                      default=0.0)
     if replica_err > WEIGHT_ATOL:
         fails.append(f"{name}: the sampling replica differs from the updated weights by {replica_err:.2e}")
     print(f"{name:10s} worst weight diff {worst:.1e} (update {moved:.1e}), grad_norm {m['actor/grad_norm']:.6g} "
@@ -163,10 +175,15 @@ def _compare(single: dict, got: dict, name: str) -> list:
     return fails
 
 
-def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = False, curves=None) -> None:
-    base = _setup(str(tmp_path), tied=tied)
+def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = False, curves=None, refusals=None,
+                       setup=_setup) -> list:
+    """Every scenario (extra overrides) on ``world`` processes against one process (the same overrides
+    but the layout's); ``refusals``: overrides whose trainer is only built, on every rank. Returns each
+    rank's ``{refusal name: error message or None}``."""
+    base = setup(str(tmp_path), tied=tied)
     curves = curves or {}
-    layout = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "strategy")  # not in the 1-process run
+    layout = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "strategy",  # not in the 1-process run
+              "ulysses_sequence_parallel_size")
     extra_single = {name: [o for o in extra if not o.split("=")[0].endswith(layout)]
                     for name, extra in scenarios.items()}
     singles = {}
@@ -175,14 +192,15 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = Fa
         if key not in singles:
             singles[key] = _run(base + [f"trainer.default_local_dir={tmp_path}/single"] + extra)
     single_curve = _fit_curve(base + [f"trainer.default_local_dir={tmp_path}/single_curve"]) if curves else None
-    spawn_process_group(_worker, world, str(tmp_path), base, scenarios, curves,
+    spawn_process_group(_worker, world, str(tmp_path), base, scenarios, curves, refusals or {},
                         timeout=datetime.timedelta(seconds=300))
-    fails, grads = [], {name: {} for name in scenarios}
+    fails, grads, refused = [], {name: {} for name in scenarios}, []
     curve_rows = torch.load(tmp_path / "rank0.pt", weights_only=False)["curves"]
     for name in curves:
         fails += _compare_curve(single_curve, curve_rows[name], name)
     for r in range(world):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        refused.append(res["refusals"])
         for name in scenarios:
             fails += [f"rank {r} {f}" for f in _compare(singles[tuple(extra_single[name])], res[name], name)]
             grads[name].update(res[name]["grads"])  # the stages' parameters: every one on some rank
@@ -195,6 +213,7 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = Fa
         if missing or worst > GRAD_RTOL:
             fails.append(f"{name}: gradients differ from 1 process (worst {worst:.1e}), missing {sorted(missing)}")
     assert not fails, "\n".join(fails)
+    return refused
 
 
 def test_stage_layers_split_and_refusal():

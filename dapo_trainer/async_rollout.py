@@ -18,18 +18,24 @@ version ``V(i) = i // (R * T)`` (``R = require_batches``, ``T = trigger_paramete
 As verl's rollouter, a worker generates at most ``M = int(R * T * (1 + staleness_threshold))``
 batches per version, counting those left from earlier versions: batch ``i`` waits for version
 ``min_version(i) = max(0, (i - (M - R * T)) // (R * T))`` (the worker blocks while ahead) and is
-sampled by the newest version the worker holds when it starts. Invariant (checked as each batch is
+sampled by the newest version the worker holds when it starts (its *version*: with
+``partial_rollout`` later tokens may be sampled by newer ones). Invariant (checked as each batch is
 taken): ``0 <= V(i) - version(i) <= ceil((M - R * T) / (R * T)) <= ceil(staleness_threshold)``.
 With ``staleness_threshold=0`` every batch is sampled by exactly the weights it trains (and
-``T > 1`` still overlaps: the ``R * T`` batches of a version are generated while the first train).
+``T > 1`` still overlaps: the ``R * T`` batches of a version are generated while the first train;
+no version can then reach a worker mid-batch). The bound is on the groups a batch generates: groups
+carried over from the worker's previous batch (``filter_groups.carry_over``, verl drops them) are
+as old as in the synchronous trainer.
 
 Weight sync (:class:`WeightSync`): a gloo process group of the trainer (rank 0) and the workers
 (ranks 1..W), separate from any ``torch.distributed`` default group; the trainer broadcasts a
 header (version) and the flattened state, one contiguous buffer per dtype, in the order of its
 ``state_dict``. Each worker receives in a thread of its own, so the trainer never waits for a
-generation to finish; the worker swaps the new weights in between two generation batches
-(``async_training.partial_rollout=false``: a generation batch is never interrupted; mid-batch
-interruption, verl's default, is not implemented). On GPUs, verl's checkpoint engine does the same
+generation to finish. The worker loads a new version before its next generation batch and,
+with ``async_training.partial_rollout`` (verl's default), inside one: between two decode steps
+(:attr:`EmbeddedRollout.interrupt <dapo_trainer.rollout.embedded.EmbeddedRollout.interrupt>`), the
+unfinished responses then continue under it (prompt and tokens so far prefilled again) and keep the
+behaviour log-probs of their earlier tokens. On GPUs, verl's checkpoint engine does the same
 with NCCL: the trainer ranks and the rollout replicas join one NCCL group, the trainer broadcasts
 bucketed bf16 weights from device memory (cupy / NCCL streams, no host copy) and the rollout server
 loads each bucket as it lands; that path is not built here (``trainer.device`` must be the CPU).
@@ -283,6 +289,12 @@ class _Inbox:
         self.bufs: Optional[List[torch.Tensor]] = None  # not yet loaded into the replica
         self.error: Optional[BaseException] = None
 
+    def take(self) -> Tuple[Optional[List[torch.Tensor]], int]:
+        """The weights received and not yet loaded (None: nothing new), and the newest version."""
+        with self.cond:
+            bufs, self.bufs = self.bufs, None
+            return bufs, self.version
+
     def receive_forever(self, sync: WeightSync) -> None:
         try:
             while True:
@@ -341,6 +353,18 @@ def _worker_main(spec: WorkerSpec, q, stop) -> None:
         inbox = _Inbox()
         threading.Thread(target=inbox.receive_forever, args=(sync,), daemon=True, name="weight-receiver").start()
         held, index = -1, spec.start_index
+        swaps = [0, -1]  # partial_rollout: new weights loaded inside the current batch, and the newest
+
+        def interrupt() -> bool:  # the engine's hook, between two decode steps
+            bufs, version = inbox.take()
+            if bufs is None:
+                return False
+            model.load_state_dict(unflatten(bufs, spec.specs))  # in place: the engine reads the live weights
+            swaps[0], swaps[1] = swaps[0] + 1, version
+            return True
+
+        if spec.cfg.async_training.partial_rollout:
+            engine.interrupt = interrupt
         while not stop.is_set():
             need, t0 = min_version(spec.cfg, index), time.perf_counter()
             with inbox.cond:  # block while ahead: the weights this batch may be sampled by are not there yet
@@ -352,18 +376,23 @@ def _worker_main(spec: WorkerSpec, q, stop) -> None:
                     break
                 if inbox.error is not None and inbox.version < need:
                     raise RuntimeError(f"weight sync failed: {inbox.error}")
-                bufs, version = inbox.bufs, inbox.version
-                inbox.bufs = None
-            if bufs is not None:  # between two generation batches: never mid-batch
+            bufs, version = inbox.take()
+            if bufs is not None:  # between two generation batches (and, partial_rollout, inside one: interrupt)
                 model.load_state_dict(unflatten(bufs, spec.specs))
                 engine.update_weights(model)
                 held = version
             waited, t1 = time.perf_counter() - t0, time.perf_counter()
+            swaps[:] = [0, held]
             batch, metrics = stage.collect(index + 1)
             metrics = {k: float(v) for k, v in metrics.items()}
             metrics["fully_async/rollouter/wait_weights_s"] = waited
             metrics["fully_async/rollouter/collect_s"] = time.perf_counter() - t1
+            metrics["fully_async/partial/weight_swaps"] = float(swaps[0])
+            metrics["fully_async/partial/newest_version"] = float(swaps[1])
+            # A batch's version: the oldest that sampled any token of the groups it generated (the one held when
+            # it started); groups carried over from its previous batch (filter_groups.carry_over) are older.
             msg = BatchMessage(QueuedBatch(index, held, batch, metrics), stage.state_dict())
+            held = swaps[1]
             if not _put(q, msg.to_bytes(), stop):
                 break
             index += spec.world

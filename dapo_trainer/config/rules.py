@@ -284,9 +284,6 @@ def async_training_supported(cfg: Config) -> None:
     at = cfg.async_training
     if not at.enable:
         return
-    require(not at.partial_rollout, "async_training.partial_rollout",
-            "true (a weight sync interrupting a generation batch) is not implemented: a rollout worker takes new "
-            "weights between its generation batches; set it to false")
     r = cfg.actor_rollout_ref.rollout
     require(r.name == "embedded", f"{ROLLOUT}.name",
             f"async_training.enable=true runs the embedded sampler in the rollout workers; {r.name!r} is not "

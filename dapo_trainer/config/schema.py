@@ -337,9 +337,10 @@ class AsyncTrainingConfig:
     trigger_parameter_sync_step: int = setting(4, range=POSITIVE)
     # Train batches (each data.train_batch_size groups, dynamic sampling included) per trainer step.
     require_batches: int = setting(1, range=POSITIVE)
-    # verl's default is true (a sync interrupts generation, unfinished responses resume under the new
-    # weights); here a worker takes new weights between its batches only: true is refused at load.
-    partial_rollout: bool = False
+    # verl's default: a weight version that reaches a worker mid-batch is loaded between two decode steps;
+    # unfinished responses continue under it (prefilled again), earlier tokens keep their behaviour
+    # log-probs. false: a worker takes new weights between its generation batches only.
+    partial_rollout: bool = True
     # The longest the trainer waits for one batch, and for one weight broadcast, before naming the worker.
     worker_timeout_s: float = setting(600.0, range=above(0))
 

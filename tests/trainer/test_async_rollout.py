@@ -116,15 +116,13 @@ def _run(root, *extra) -> list:
     ("async_training.trigger_parameter_sync_step=0", "async_training.trigger_parameter_sync_step"),
     ("async_training.require_batches=0", "async_training.require_batches"),
     ("async_training.worker_timeout_s=0", "async_training.worker_timeout_s"),
-    ("async_training.partial_rollout=true", "async_training.partial_rollout"),
     ("rollout.nnodes=2", "rollout.nnodes"),
     ("rollout.n_gpus_per_node=0", "rollout.n_gpus_per_node"),
     ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name"),
     ("trainer.device=cuda", "trainer.device"),
 ])
 def test_bad_values_name_the_key_at_load(override, key):
-    """A bad async value is a ValueError naming its dotted key when the config loads (no process yet);
-    partial_rollout=true is refused (not implemented: a worker takes new weights between batches)."""
+    """A bad async value is a ValueError naming its dotted key when the config loads (no process yet)."""
     with pytest.raises(ValueError, match=re.escape(f"'{key}'")):
         load_config(overrides=ASYNC + [override])
 
@@ -254,6 +252,43 @@ def test_dynamic_sampling_and_adaptive_size_train_every_kept_group_once(tmp_path
     assert trained == expected
     dropped = sum(m["train/seen_groups"] - m["train/kept_groups"] for m in lines)
     assert dropped > 0  # dynamic sampling did drop groups (odd answers)
+
+
+# Rows with an even answer: mixed rewards (kept), odd: 0 (dropped); the first response of each group waits
+# 0.2 s, so one collect takes several dynamic-sampling rounds that outlast a training step.
+SLOW_KEYED_REWARD = """
+import time
+_calls = [0]
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    _calls[0] += 1
+    if _calls[0] % 4 == 1:
+        time.sleep(0.2)
+    return 0.0 if int(ground_truth) % 2 else float(_calls[0] % 2)
+"""
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["partial", "between-batches"])
+def test_partial_rollout_loads_new_weights_inside_a_batch(tmp_path, partial, no_children_left):
+    """One worker always behind the trainer (each collect takes several slow rounds): with partial_rollout
+    the versions pushed meanwhile are loaded inside the batches (between decode steps; the engine test
+    checks what the responses then hold), the batch still tagged with the version it started with, within
+    the bound; without it a worker never swaps weights mid-batch."""
+    overrides = micro_setup(str(tmp_path), SLOW_KEYED_REWARD) + QUIET + ASYNC + [
+        "trainer.total_training_steps=4", "data.gen_batch_size=1", "async_training.staleness_threshold=2",
+        "async_training.trigger_parameter_sync_step=1", f"async_training.partial_rollout={str(partial).lower()}"]
+    DAPOTrainer(load_config(overrides=overrides)).fit()
+    lines = read_metrics(os.path.join(str(tmp_path), "run"))
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    swaps = [m["fully_async/partial/weight_swaps"] for m in lines]
+    for m in lines:
+        version, sampled = m["fully_async/count/current_param_version"], m["fully_async/staleness/min_version"]
+        assert 0 <= version - sampled <= 2
+        assert sampled <= m["fully_async/partial/newest_version"] <= version
+    if partial:
+        assert sum(swaps) > 0 and any(m["fully_async/partial/newest_version"] > m["fully_async/staleness/min_version"]
+                                      for m in lines)
+    else:
+        assert sum(swaps) == 0
 
 
 # --------------------------------------------------------------------------- checkpoints

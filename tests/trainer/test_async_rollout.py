@@ -215,6 +215,20 @@ def test_workers_generate_ahead_sync_every_t_steps_within_the_staleness_bound(tm
     assert all(m["train/kept_groups"] <= m["train/seen_groups"] for m in lines)
 
 
+def test_rollout_correction_metrics_show_the_staleness(tmp_path, no_children_left):
+    """One-step off-policy (staleness 1, a sync every step) with rollout correction's metrics on: step 1
+    trains the batch its weights sampled (rollout vs old log-probs differ by float noise only), every
+    later step a batch sampled one version back, which the off-policy diagnostics show."""
+    lines = _run(tmp_path, "trainer.total_training_steps=4", *ASYNC, "async_training.staleness_threshold=1",
+                 "async_training.trigger_parameter_sync_step=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                 "algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.actor.optim.lr=1e-2",
+                 "async_training.partial_rollout=false")
+    lag = [m["fully_async/staleness/max"] for m in lines]
+    diff = [m["rollout_corr/log_ppl_abs_diff"] for m in lines]
+    assert lag[0] == 0 and lag[1:] == [1, 1, 1], lag
+    assert diff[0] < 1e-4 and min(diff[1:]) > 10 * max(diff[0], 1e-5), diff
+
+
 def _groups(batch) -> list:
     """A train batch's groups in order, each as its prompt (every group full: rollout.n rows of one prompt)."""
     out = []

@@ -107,6 +107,16 @@ def max_staleness(cfg) -> int:
     return -(-(most - per) // per)
 
 
+def check_resumable(cfg, saved: Optional[dict]) -> None:
+    """A checkpoint's rollout-worker state (:meth:`AsyncRollout.state_dict`) resumes only with as many
+    workers: each holds its own shard of the rows, data cursor and carried-over groups."""
+    W = cfg.rollout.n_gpus_per_node
+    if saved is not None and len(saved["workers"]) != W:
+        raise ValueError(f"rollout.n_gpus_per_node={W}, but the checkpoint being resumed was saved by "
+                         f"{len(saved['workers'])} rollout workers (each holds its own data cursor and carried-over "
+                         f"groups): resume with rollout.n_gpus_per_node={len(saved['workers'])}")
+
+
 # ---------------------------------------------------------------------------------------------- weights
 @dataclass(frozen=True)
 class TensorSpec:
@@ -445,12 +455,8 @@ class AsyncRollout:
             self.version, self.next_index = int(saved["version"]), int(saved["next_index"])
             self.stale_trajectories = int(saved["stale_trajectories"])
             self.synced = list(saved["weights"])
-            workers = saved["workers"]
-            if len(workers) != W:
-                raise ValueError(f"rollout.n_gpus_per_node={W}, but the checkpoint being resumed was saved by "
-                                 f"{len(workers)} rollout workers (each holds its own data cursor and carried-over "
-                                 f"groups): resume with rollout.n_gpus_per_node={len(workers)}")
-            self.resume = [WorkerCursor(int(w["next_index"]), w["generation"]) for w in workers]
+            check_resumable(cfg, saved)
+            self.resume = [WorkerCursor(int(w["next_index"]), w["generation"]) for w in saved["workers"]]
             for p in saved["pending"]:
                 qb = QueuedBatch.of_state(p)
                 self.received[qb.index] = qb

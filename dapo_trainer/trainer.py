@@ -233,6 +233,10 @@ class DAPOTrainer:
                                  f"{self.resume_dir!r} was saved with async_training.enable={'async' in state}: "
                                  "resume with the mode that saved it")
             self._async_saved = state.get("async")
+            if cfg.async_training.enable:
+                from .async_rollout import check_resumable
+
+                check_resumable(cfg, self._async_saved)
 
     @staticmethod
     def _raise_on_every_rank(err: Optional[Exception]) -> None:

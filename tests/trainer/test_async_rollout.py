@@ -312,7 +312,7 @@ def test_checkpoint_mid_overlap_resumes_as_the_uninterrupted_run(tmp_path, monke
     resumed, the run logs exactly the uninterrupted run's values (timings aside) and ends on the same
     weights: with staleness 0 the version sampling each batch is fixed, a queued batch is restored and an
     in-flight one regenerated from its worker's saved GenerationStage state."""
-    extra = ["trainer.total_training_steps=4", *ASYNC, "rollout.n_gpus_per_node=2",
+    extra = ["trainer.total_training_steps=3", *ASYNC, "rollout.n_gpus_per_node=2",
              "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=2"]
     full = _run(tmp_path / "full", *extra)
     root = tmp_path / "cut"
@@ -334,15 +334,18 @@ def test_checkpoint_mid_overlap_resumes_as_the_uninterrupted_run(tmp_path, monke
     assert saved["version"] == 0 and saved["next_index"] == 1
     assert [w["next_index"] for w in saved["workers"]] in ([2, 1], [2, 3])  # batch 1: in flight, or queued
     assert [p["index"] for p in saved["pending"]] == ([] if saved["workers"][1]["next_index"] == 1 else [1])
+    with pytest.raises(ValueError, match=r"rollout\.n_gpus_per_node=1, but the checkpoint being resumed was saved "
+                                         r"by 2 rollout workers"):
+        DAPOTrainer(load_config(overrides=overrides + ["rollout.n_gpus_per_node=1"]))
     resumed = DAPOTrainer(load_config(overrides=overrides))
     assert resumed.global_step == 1
     resumed.fit()
     lines = read_metrics(run)
-    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [m["step"] for m in lines] == [1, 2, 3]
     by_step = {m["step"]: _untimed(m) for m in lines}
     assert by_step == {m["step"]: _untimed(m) for m in full}
-    a = load_hf_model(os.path.join(run, "checkpoints", "global_step_4", "model")).state_dict()
-    b = load_hf_model(os.path.join(str(tmp_path / "full"), "run", "checkpoints", "global_step_4", "model")).state_dict()
+    a = load_hf_model(os.path.join(run, "checkpoints", "global_step_3", "model")).state_dict()
+    b = load_hf_model(os.path.join(str(tmp_path / "full"), "run", "checkpoints", "global_step_3", "model")).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -180,6 +180,9 @@ class Actor:
         rc = cfg.algorithm.rollout_correction
         self.correct = cfg.actor_rollout_ref.rollout.calculate_log_probs
         self.bypass = self.correct and rc.bypass_mode
+        # The loss's old log-probs are the rollout's (no old-log-prob forward): bypass_mode, or verl's
+        # actor.use_rollout_log_probs without a correction (the config refuses it with decoupled mode).
+        self.rollout_old = self.bypass or a.use_rollout_log_probs
         self.correction_options = dict(
             rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
@@ -282,10 +285,10 @@ class Actor:
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1);
-        # bypass_mode: the old log-probs are the rollout's, whatever the plan.
-        on_policy = a.ppo_epochs == 1 and len(plan) == 1 and not self.bypass
+        # bypass_mode / actor.use_rollout_log_probs: the old log-probs are the rollout's, whatever the plan.
+        on_policy = a.ppo_epochs == 1 and len(plan) == 1 and not self.rollout_old
         timing, corrected = {}, {}
-        if self.bypass:  # verl: no old-log-prob phase at all (so no timing_s/old_log_prob either)
+        if self.rollout_old:  # verl: no old-log-prob phase at all (so no timing_s/old_log_prob either)
             rollout = batch.log_probs.to(self.device)
             packed = [[replace(mb, old_log_prob=from_grid(mb, rollout)) for mb in mbs] for mbs in packed]
         else:

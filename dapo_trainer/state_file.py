@@ -99,3 +99,30 @@ def load_state_file(path: str):
         return json.loads(meta["state"], object_hook=_decoder(tensors, path))
     except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"{path}: malformed state ({e})") from None
+
+
+def dump_state_bytes(obj) -> bytes:
+    """:func:`save_state_file`'s format in memory: what a rollout worker sends the trainer
+    (:mod:`dapo_trainer.async_rollout`), so that no pickle of a tensor crosses processes."""
+    from safetensors.torch import save
+
+    tensors = {"by_name": {}, "ptrs": set()}
+    meta = json.dumps(_encode(obj, tensors, "state"))
+    return save(tensors["by_name"], metadata={"format": FORMAT, "state": meta})
+
+
+def load_state_bytes(data: bytes, where: str = "message"):
+    """Read what :func:`dump_state_bytes` wrote (``where`` names the sender in errors)."""
+    import struct
+
+    from safetensors.torch import load
+
+    try:
+        n = struct.unpack("<Q", data[:8])[0]
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        tensors = load(data)
+    except Exception as e:  # safetensors' own error type is not public
+        raise ValueError(f"{where} is not a dapo_trainer state ({e})") from None
+    if meta.get("format") != FORMAT or "state" not in meta:
+        raise ValueError(f"{where} is not a dapo_trainer state (header format {meta.get('format')!r})")
+    return json.loads(meta["state"], object_hook=_decoder(tensors, where))

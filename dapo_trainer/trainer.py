@@ -15,6 +15,11 @@ One step (``DAPOTrainer.train_step``):
    ``trainer.max_nonfinite_steps`` such steps in a row);
 3. push the weights to the rollout engine; log (:func:`~dapo_trainer.batch_metrics.batch_metrics`).
 
+Under ``async_training.enable`` step 1 takes the next train batch(es) from rollout worker processes
+that generate while the trainer trains (:class:`~dapo_trainer.async_rollout.AsyncRollout`), and
+step 3 also pushes the weights to them every ``async_training.trigger_parameter_sync_step`` steps;
+the trainer's own engine then only validates.
+
 Parallelism (:class:`~dapo_trainer.parallel.ParallelDims`): every data-parallel replica samples its
 share of the generation batch and the shares are all-gathered, so every rank holds the same batch
 (the same one for any number of processes). The update is split over data-parallel ranks (torch's
@@ -54,6 +59,7 @@ from .run_dir import claim as claim_run_dir
 
 __all__ = ["DAPOTrainer", "NonFiniteTrainingError", "resolve_device"]
 
+_BROKEN = object()  # the rollout workers' state after a failure: nothing to restart from
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 logger = logging.getLogger(__name__)
 
@@ -207,12 +213,30 @@ class DAPOTrainer:
 
         self.global_step = 0
         self.nonfinite_streak = 0  # consecutive steps with a skipped update
+        # async_training: the rollout workers start at the first step (AsyncRollout), from the saved state.
+        self.model_dir, self.async_rollout, self._async_saved = model_dir, None, None
+        if cfg.async_training.enable:  # checked here, before any rollout worker starts (the first step)
+            if dims.world > 1 or self.device.type != "cpu":
+                raise ValueError(f"async_training.enable=true runs one trainer process on the CPU; this run has "
+                                 f"{dims.world} processes on {self.device.type} (trainer.device={t.device!r})")
+            if cfg.rollout.n_gpus_per_node > len(train_rows):  # worker w draws rows w, w + W, ...
+                raise ValueError(f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node} rollout workers, but "
+                                 f"data.train_files has {len(train_rows)} rows: every worker needs one at least")
         if self.resume_dir:
             state = ckpt.load_checkpoint(self.resume_dir, optimizer=self.actor.optimizer,
                                          scheduler=self.actor.scheduler)
             self.global_step = state["step"]
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
             self.generation.load_state_dict(state)
+            if ("async" in state) != cfg.async_training.enable:  # queued batches / worker cursors would be lost
+                raise ValueError(f"async_training.enable={cfg.async_training.enable}, but the checkpoint "
+                                 f"{self.resume_dir!r} was saved with async_training.enable={'async' in state}: "
+                                 "resume with the mode that saved it")
+            self._async_saved = state.get("async")
+            if cfg.async_training.enable:
+                from .async_rollout import check_resumable
+
+                check_resumable(cfg, self._async_saved)
 
     @staticmethod
     def _raise_on_every_rank(err: Optional[Exception]) -> None:
@@ -270,22 +294,50 @@ class DAPOTrainer:
         n = max(n, 1.0)
         return {"val/score": score / n, "val/acc": acc / n, "val/response_length": length / n}
 
+    def rollout_workers(self):
+        """The :class:`~dapo_trainer.async_rollout.AsyncRollout` (started on first use; None when off)."""
+        if self.cfg.async_training.enable and self.async_rollout is None:
+            from .async_rollout import AsyncRollout
+
+            if self._async_saved is _BROKEN:
+                raise RuntimeError("the rollout workers failed and were stopped; resume from the last checkpoint")
+            self.async_rollout = AsyncRollout(self.cfg, self.model_dir, self.full_state(), self._async_saved)
+            weakref.finalize(self, self.async_rollout.close)
+        return self.async_rollout
+
+    def close(self) -> None:
+        """Stop the rollout workers (async_training); a later step starts them again from where they were."""
+        if self.async_rollout is not None:
+            workers, self.async_rollout = self.async_rollout, None
+            try:
+                self._async_saved = workers.state_dict()
+            except Exception as e:  # a worker's error report: the stream cannot go on from here
+                self._async_saved = _BROKEN
+                logger.warning("rollout workers stopped after an error: %s", e)
+            finally:
+                workers.close()
+
     def train_step(self) -> Dict[str, float]:
         """One DAPO step; returns its metrics (without validation)."""
         step = self.global_step + 1
         t0 = time.perf_counter()
-        batch, metrics = self.generation.collect(step)
+        workers = self.rollout_workers()
+        batch, metrics = workers.next_batch() if workers is not None else self.generation.collect(step)
         metrics.update(self.actor.update(batch))
         self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["actor/skipped_updates"] else 0
         if metrics["actor/skipped_updates"] and self.dims.rank == 0:
             logger.warning("step %d: update skipped: %s", step, metrics["actor/skip_reason"])
         t1 = time.perf_counter()
         self.sync_weights()
+        if workers is not None and step % self.cfg.async_training.trigger_parameter_sync_step == 0:
+            workers.sync(self.full_state())
         metrics["timing_s/update_weights"] = time.perf_counter() - t1
         metrics.update(batch_metrics(batch, self.cfg.data.max_response_length))
         metrics["timing_s/step"] = time.perf_counter() - t0
         metrics["perf/tokens_per_s"] = metrics["train/gen_tokens"] / max(metrics["timing_s/step"], 1e-9)
-        metrics["perf/gen_time_share"] = gen_time_share(metrics)  # generation vs the update and weight sync
+        # Synchronous: generation vs the update and weight sync; async: the step's wait for its batches.
+        metrics["perf/gen_time_share"] = (gen_time_share(metrics) if workers is None else
+                                          metrics["timing_s/wait_batch"] / max(metrics["timing_s/step"], 1e-9))
         self.global_step = step
         return metrics
 
@@ -295,6 +347,8 @@ class DAPOTrainer:
 
     def save(self) -> str:
         state = {"step": self.global_step, **self.generation.state_dict(), "nonfinite_streak": self.nonfinite_streak}
+        if self.cfg.async_training.enable:  # the batches generated, not yet trained, and the workers' state
+            state["async"] = self.async_rollout.state_dict() if self.async_rollout is not None else self._async_saved
         full = self.full_state()  # (the plain state_dict when nothing is sharded)
         return ckpt.save_checkpoint(self.ckpt_root, self.global_step, model=self.model, full_state=full,
                                     optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
@@ -334,5 +388,6 @@ class DAPOTrainer:
                     self.save()
             failed = False
         finally:
+            self.close()
             log.close(failed=failed)
         return metrics

@@ -245,6 +245,12 @@ def rollout_correction_has_rollout_log_probs(cfg: Config) -> None:
     require(not rc.bypass_mode or sp == 1, f"{RC}.bypass_mode",
             f"bypass_mode corrects each micro-batch against the current policy, whose sequences sequence parallelism "
             f"splits over ranks ({ACTOR}.ulysses_sequence_parallel_size={sp}); use sp 1, or bypass_mode=false")
+    # decoupled mode compares the old log-probs with the rollout's: taking the rollout's as the old ones
+    # would make every weight 1 (bypass_mode is the mode that trains on the rollout's log-probs).
+    require(not (cfg.actor_rollout_ref.actor.use_rollout_log_probs and r.calculate_log_probs and not rc.bypass_mode),
+            f"{ACTOR}.use_rollout_log_probs",
+            f"true with {ROLLOUT}.calculate_log_probs=true and {RC}.bypass_mode=false would correct the rollout's "
+            f"log-probs against themselves (every weight 1); set {RC}.bypass_mode=true instead")
 
 
 @rule
@@ -271,3 +277,16 @@ def notes(cfg: Config) -> List[str]:
                    f"tensor parallel size; the embedded rollout (rollout.name={r.name!r}) samples on the actor's "
                    f"layout ({ACTOR}.tensor_model_parallel_size={a.tensor_model_parallel_size}) and ignores it")
     return out
+
+
+@rule
+def async_training_supported(cfg: Config) -> None:
+    at = cfg.async_training
+    if not at.enable:
+        return
+    r = cfg.actor_rollout_ref.rollout
+    require(r.name == "embedded", f"{ROLLOUT}.name",
+            f"async_training.enable=true runs the embedded sampler in the rollout workers; {r.name!r} is not "
+            "implemented there")
+    require(cfg.trainer.device in ("cpu", "auto"), "trainer.device",
+            f"async_training.enable=true runs on the CPU only (gloo weight sync); got {cfg.trainer.device!r}")

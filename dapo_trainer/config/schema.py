@@ -156,6 +156,10 @@ class ActorConfig:
     kl_loss_type: KlType = "low_var_kl"
     grad_clip: float = setting(1.0, range=above(0))
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # verl's key: the loss's old log-probs are the rollout's (the behaviour policy's, TrainBatch.log_probs)
+    # instead of the trainer's recomputation (false, verl's default: on-policy mini-batches use the current
+    # weights). Off-policy data (async_training) is then corrected against the weights that sampled it.
+    use_rollout_log_probs: bool = False
 
 
 @dataclass
@@ -313,6 +317,44 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """``async_training.*``: generation overlapped with training (verl 0.9.1's fully-async / one-step-off
+    keys; :mod:`dapo_trainer.async_rollout`). Off (``enable=false``, this trainer's switch: verl picks the
+    mode by entry point): the synchronous trainer, unchanged.
+
+    Rollout workers (``rollout.n_gpus_per_node`` processes) generate train batches ahead; the trainer
+    takes ``require_batches`` of them per step and pushes its weights to the workers every
+    ``trigger_parameter_sync_step`` steps (a weight *version*). As verl's rollouter, a worker generates at
+    most ``(1 + staleness_threshold) * require_batches * trigger_parameter_sync_step`` batches per version
+    (counting those left from earlier versions): a batch trains at most
+    ``ceil(staleness_threshold)`` versions after the one that sampled it (0: every batch sampled by the
+    weights it trains; with trigger_parameter_sync_step > 1 the batches of a version are still generated
+    while the trainer trains the first of them).
+    """
+
+    enable: bool = False
+    staleness_threshold: float = setting(0.1, range=at_least(0))
+    trigger_parameter_sync_step: int = setting(4, range=POSITIVE)
+    # Train batches (each data.train_batch_size groups, dynamic sampling included) per trainer step.
+    require_batches: int = setting(1, range=POSITIVE)
+    # verl's default: a weight version that reaches a worker mid-batch is loaded between two decode steps;
+    # unfinished responses continue under it (prefilled again), earlier tokens keep their behaviour
+    # log-probs. false: a worker takes new weights between its generation batches only.
+    partial_rollout: bool = True
+    # The longest the trainer waits for one batch, and for one weight broadcast, before naming the worker.
+    worker_timeout_s: float = setting(600.0, range=above(0))
+
+
+@dataclass
+class RolloutResourcesConfig:
+    """``rollout.*`` (top level, verl's fully-async keys): the rollout workers' resources under
+    ``async_training.enable``. On the CPU ``n_gpus_per_node`` is the number of worker processes."""
+
+    nnodes: int = setting(1, range=within(1, 1))  # the workers run on the trainer's machine
+    n_gpus_per_node: int = setting(1, range=POSITIVE)
+
+
+@dataclass
 class Config:
     """The whole trainer configuration (verl's layout)."""
 
@@ -323,6 +365,8 @@ class Config:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    rollout: RolloutResourcesConfig = field(default_factory=RolloutResourcesConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -28,7 +28,7 @@ every rank's responses have finished, and a rank without prompts joins with an e
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -222,6 +222,11 @@ class EmbeddedRollout(RolloutEngine):
 
     def __init__(self, model: Transformer, config: Optional[RolloutConfig] = None):
         self.config = config or RolloutConfig()
+        # Partial rollout (async_training.partial_rollout, a rollout worker's): called between two decode
+        # steps; True when it has just loaded new weights into the model in place. The live responses then
+        # continue under them (their prompts and tokens so far prefilled again); earlier tokens keep the
+        # log-probs of the weights that sampled them. None: never interrupted.
+        self.interrupt: Optional[Callable[[], bool]] = None
         self.update_weights(model)
 
     def update_weights(self, model: Transformer) -> None:
@@ -291,6 +296,12 @@ class EmbeddedRollout(RolloutEngine):
                 keep = live.nonzero().squeeze(1)
                 rows, tok, pos = rows[keep], tok[keep.to(dev)], pos[keep.to(dev)]
                 caches = [(k[keep], v[keep]) for k, v in caches]
+            if self.interrupt is not None and self.interrupt():  # new weights: the KV cache is the old ones'
+                w_out = model.lm_head.weight.float()
+                seqs = [prompts[r // n] + rec.tokens[r, :step + 1].tolist() for r in rows.tolist()]
+                h, caches, pos = self._prefill(seqs, max_new_tokens - step - 1)
+                width = int(pos.max())
+                continue
             width += 1
             h = self._decode_step(tok, pos, caches, width)
             pos = pos + 1
@@ -386,11 +397,13 @@ class EmbeddedRollout(RolloutEngine):
 def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_new_tokens: int,
                    temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
                    stop_token_ids: Sequence[int] = (), max_model_len: Optional[int] = None,
-                   prompt_offset: int = 0) -> RolloutOutput:
+                   prompt_offset: int = 0, interrupt: Optional[Callable[[], bool]] = None) -> RolloutOutput:
     """Reference sampler: every step re-runs the full packed forward of all live sequences.
 
     Same randomness and sampling rule as :class:`EmbeddedRollout`, so with the same seed
     both return the same tokens (up to float ties); O(length^2) and for tests / benchmarks.
+    ``interrupt``: :attr:`EmbeddedRollout.interrupt`, called at the same points (the next full
+    forward reads whatever weights it loaded).
     """
     cfg = model.config
     prompts, stops = check_generate_args(prompt_ids, n, max_new_tokens, temperature, top_p, stop_token_ids,
@@ -409,6 +422,8 @@ def naive_generate(model: Transformer, prompt_ids: List[List[int]], n: int, max_
         for r, t in zip(rows.tolist(), tok.tolist()):
             seqs[r].append(t)
         rows = rows[~hit]
-        if len(rows) == 0:
+        if len(rows) == 0 or step + 1 == max_new_tokens:
             break
+        if interrupt is not None and interrupt():
+            w_out = model.lm_head.weight.float()
     return rec.output(prompts, n)

@@ -307,3 +307,40 @@ def test_shares_with_prompt_offset_sample_what_the_whole_batch_samples(model, en
     assert not torch.equal(engine.generate(prompts[2:3], n, 8, seed=11).response_ids, parts[1].response_ids)
     with pytest.raises(ValueError, match="prompt_offset must be >= 0"):
         engine.generate(prompts, n, 8, seed=11, prompt_offset=-1)
+
+
+class _SwapAt:
+    """An ``interrupt`` hook that loads ``new`` weights into ``model`` in place at its ``at``-th call."""
+
+    def __init__(self, model, new_state, at: int):
+        self.model, self.new_state, self.at, self.calls = model, new_state, at, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.calls != self.at:
+            return False
+        self.model.load_state_dict(self.new_state)
+        return True
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral"], indirect=True)
+def test_interrupted_generation_continues_under_the_new_weights(model, engine):
+    """Partial rollout: new weights loaded between decode steps 3 and 4. The KV-cache engine re-prefills
+    the live responses and continues under them, as the full-recompute reference does with the same
+    hook; the first 4 tokens and their log-probs are the old weights' (an uninterrupted run's), and
+    the rest differ from it."""
+    prompts, stops = random_prompts(3), tuple(range(0, V, 11))
+    old, new = {k: v.clone() for k, v in model.state_dict().items()}, tiny_model().state_dict()
+    whole = engine.generate(prompts, 2, 12, seed=5, stop_token_ids=stops)
+    engine.interrupt = _SwapAt(model, new, at=4)
+    out = engine.generate(prompts, 2, 12, seed=5, stop_token_ids=stops)
+    assert engine.interrupt.calls >= 4
+    model.load_state_dict(old)
+    ref = naive_generate(model, prompts, 2, 12, seed=5, stop_token_ids=stops, interrupt=_SwapAt(model, new, at=4))
+    assert torch.equal(out.lengths, ref.lengths) and torch.equal(out.response_ids, ref.response_ids)
+    assert (out.log_probs - ref.log_probs).abs().max() < 1e-4
+    head = lambda o: [(o.response_ids[s:s + min(4, int(n))], o.log_probs[s:s + min(4, int(n))])  # noqa: E731
+                      for s, n in zip(o.cu_seqlens[:-1].tolist(), o.lengths)]
+    for (ti, li), (tw, lw) in zip(head(out), head(whole)):
+        assert torch.equal(ti, tw) and torch.allclose(li, lw, atol=1e-5)
+    assert not torch.equal(out.log_probs, whole.log_probs) or not torch.equal(out.lengths, whole.lengths)

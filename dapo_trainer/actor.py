@@ -279,6 +279,8 @@ class Actor:
     def update(self, batch: TrainBatch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
         a = self.actor_cfg
+        if a.mask_truncated_completions:  # overlong filtering: a truncated response trains no token (nor counts)
+            batch = replace(batch, sampled=batch.sampled & batch.stopped[:, None])
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1);

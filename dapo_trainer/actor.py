@@ -77,27 +77,29 @@ def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: 
 
 def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None) -> MicroBatch:
     """Prompt + response of ``rows`` end to end, labels shifted by one token; under sequence
-    parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard."""
-    ids, cu, mask, adv, cells = [], [0], [], [], []
-    width = batch.response_ids.shape[1]
-    for i in rows:
-        pl, rl = int(batch.prompt_len[i]), int(batch.response_len[i])
-        seq = torch.cat([batch.prompt_ids[i, :pl], batch.response_ids[i, :rl]])
-        ids.append(seq)
-        cu.append(cu[-1] + pl + rl)
-        # Position t predicts token t + 1: the response tokens are predicted from
-        # positions pl - 1 .. pl + rl - 2.
-        m = torch.zeros(pl + rl, dtype=torch.bool)
-        m[pl - 1:pl + rl - 1] = batch.sampled[i, :rl]
-        mask.append(m)
-        adv.append(torch.full((pl + rl,), float(batch.advantages[i])))
-        cell = torch.full((pl + rl,), -1, dtype=torch.int64)  # the [N, R] grid's cell each position predicts
-        cell[pl - 1:pl + rl - 1] = i * width + torch.arange(rl)
-        cells.append(cell)
-    input_ids = torch.cat(ids)
+    parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard.
+
+    Whole-tensor ops on the rows' ``[n, P + R]`` prompt-and-response grid (kept slots in row-major
+    order are each row's prompt then its response), not a loop of small ops per row."""
+    r = torch.as_tensor(rows, dtype=torch.long)
+    pl, rl = batch.prompt_len[r], batch.response_len[r]
+    P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    col = torch.arange(P + R)
+    in_prompt = col < P
+    keep = torch.where(in_prompt, col < pl[:, None], col - P < rl[:, None])  # [n, P + R] slots of the sequences
+    pos = torch.where(in_prompt, col, pl[:, None] + col - P)  # each slot's position in its sequence
+    # Position t predicts token t + 1: response token k is predicted from position pl - 1 + k.
+    k = pos - (pl[:, None] - 1)
+    predicts = (k >= 0) & (k < rl[:, None])
+    kc = k.clamp(0, R - 1)
+    input_ids = torch.cat([batch.prompt_ids[r], batch.response_ids[r]], 1)[keep]
+    mask = (predicts & batch.sampled[r].gather(1, kc))[keep]
+    adv = batch.advantages[r].float()[:, None].expand(-1, P + R)[keep]
+    cells = torch.where(predicts, r[:, None] * R + kc, -1)[keep]  # the [N, R] grid's cell each position predicts
     labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
-    lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
-    mask, adv, cells = torch.cat(mask), torch.cat(adv), torch.cat(cells)
+    lens = pl + rl
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
     if sp_group is not None:  # the model takes every token and computes this rank's shard; the loss reads that shard
         labels, mask, adv, cells = (shard_sequence(t, sp_group) for t in (labels, mask, adv, cells))
     mask_index = mask.nonzero().squeeze(1)
@@ -106,7 +108,7 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
     # (a host tensor: no device read), for masked_log_probs.
     return MicroBatch(input_ids=to_device_checked(input_ids, device), labels=to_device_checked(labels, device),
                       mask=mask.to(device), mask_index=mask_index.to(device), advantages=adv.to(device),
-                      cu_seqlens=to_device_checked(torch.tensor(cu, dtype=torch.int32), device), max_seqlen=max(lens),
+                      cu_seqlens=to_device_checked(cu, device), max_seqlen=int(lens.max()),
                       response_index=cells[mask_index].to(device))
 
 
@@ -282,6 +284,8 @@ class Actor:
     def update(self, batch: TrainBatch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
         a = self.actor_cfg
+        if a.mask_truncated_completions:  # overlong filtering: a truncated response trains no token (nor counts)
+            batch = replace(batch, sampled=batch.sampled & batch.stopped[:, None])
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1);

@@ -142,6 +142,9 @@ class ActorConfig:
     clip_ratio_high: float = setting(0.28, range=CLIP_RATIO_RANGES["clip_ratio_high"])
     clip_ratio_c: float = setting(3.0, range=CLIP_RATIO_RANGES["clip_ratio_c"])
     loss_agg_mode: LossAggMode = "token-mean"
+    # DAPO's overlong filtering (TRL's GRPOConfig key; verl has none): responses cut at
+    # data.max_response_length (not ended by a stop token) are left out of the loss and its token counts.
+    mask_truncated_completions: bool = False
     use_dynamic_bsz: bool = True
     ppo_max_token_len_per_gpu: int = setting(16384, range=TOKENS_PER_MICRO_BATCH)
     # With use_dynamic_bsz: ppo_max_token_len_per_gpu scaled by the batch's mean dialogue turns.

@@ -82,7 +82,8 @@ def test_fp32_softcap_grads_match_reference(impl):
 def test_torch_path_fp32_grads_match_reference():
     """Plain fp32 attention on the torch path, causal GQA at D = 216 (flash-attn's varlen matrix, longer
     sequences): dQ, dK, dV within 2x plain fp32 torch's error against float64 in each of 6 draws. Torch's
-    CPU flash backward gave dQ up to 3.5x there (4 draws in 9 over 2x), so fp32 runs the fp64 math path."""
+    CPU flash backward gave dQ up to 3.5x there (4 draws in 9 over 2x), so fp32 runs the math path (fp32, plain
+    torch's per-head products: its own error, NOTES.md "Torch path")."""
     for draw in range(6):
         lengths = torch.randint(1, 201, (4,)).tolist()
         cu = cu_seqlens_from(lengths)

@@ -9,8 +9,8 @@ in float32 (see :func:`_bwd_torch`).
 
 A sliding window or soft-capping (which torch's fused kernel does not have), and the backward of fp32
 inputs (whose dQ torch's fused backward rounds poorly), take the same buckets through plain softmax
-attention instead (fp32; fp64 for fp32 inputs, see _MATH_DTYPES), query rows in chunks so the score
-tile stays bounded (:func:`_fwd_math` / :func:`_bwd_math`).
+attention instead, in fp32 as plain torch computes it (per-head 3-D products, head-major ``[H * n, S,
+D]`` copies), query rows in chunks so the score tile stays bounded (:func:`_fwd_math` / :func:`_bwd_math`).
 """
 from __future__ import annotations
 
@@ -30,10 +30,9 @@ _BUCKET_RATIO = 1.5
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Score elements per chunk of the math path (64 MiB of fp32 scores).
 _MATH_CHUNK = 1 << 24
-# Compute dtype of the math path per input dtype: fp32 inputs compute in fp64, rounded once on the way
-# out, since the CPU BLAS's fp32 error depends on the GEMM's shape and layout (NOTES.md, "Torch path");
-# 16-bit inputs keep fp32, whose rounding theirs dwarfs.
-_MATH_DTYPES = {torch.float32: torch.float64}
+# Compute dtype of the math path, whatever the inputs' (16-bit inputs on fp32 copies, rounded once on the
+# way out): fp32 in plain torch's per-head 3-D products is plain torch's own error (NOTES.md, "Torch path").
+_MATH_DTYPE = torch.float32
 
 
 @per_tensor_cache  # once per batch, not per layer
@@ -89,27 +88,52 @@ def _key_padding_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _math_chunks(valid: torch.Tensor, heads: int):
-    """Query-row slices of a bucket whose score tile ``[n, heads, rows, S]`` stays under _MATH_CHUNK."""
+    """Query-row slices of a bucket whose score tile ``[heads * n, rows, S]`` stays under _MATH_CHUNK."""
     n, S = valid.shape
     step = max(1, _MATH_CHUNK // max(n * heads * S, 1))
     return [slice(r, min(r + step, S)) for r in range(0, S, step)]
 
 
+def _heads_major(x: torch.Tensor, gather: torch.Tensor, dtype: torch.dtype, heads: Optional[int] = None,
+                 valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Packed ``[T, H, D]`` -> ``[heads * n, S, D]`` (head-major, contiguous, in ``dtype``): per head the
+    bucket's padded sequences, each head repeated ``heads // H`` times (a KV head for its query heads, as
+    plain torch's ``repeat_interleave``); with ``valid``, padding slots are 0. NaN / inf read as 0 (see
+    :func:`_padded`)."""
+    H, D = x.shape[1], x.shape[2]
+    heads = heads or H
+    p = x.transpose(0, 1)[:, gather].to(dtype).nan_to_num_(0.0, 0.0, 0.0)  # [H, n, S, D]
+    if valid is not None:
+        p.masked_fill_(~valid[None, :, :, None], 0.0)
+    if heads != H:
+        p = p[:, None].expand(H, heads // H, *p.shape[1:])
+    return p.reshape(heads * gather.shape[0], gather.shape[1], D)
+
+
+def _unpad_heads_into(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """dst[rows] = head-major padded ``src [H * n, S, ...]`` at the valid slots (``dst [T, H, ...]``)."""
+    H = dst.shape[1]
+    dst.transpose(0, 1)[:, rows] = src.reshape(H, -1, *dst.shape[2:])[:, slots].to(dst.dtype)
+
+
 def _math_scores(q, k, valid, rows: slice, scale, window, softcap):
-    """fp32 (scores, tanh term) of query rows ``rows`` of a bucket, heads grouped as
-    ``[n, Hkv, G, rows, S]``, masked (padding keys, window) to -inf."""
-    S = valid.shape[1]
-    s = q[..., rows, :] @ k.transpose(-1, -2)[:, :, None]
+    """(scores, tanh term) ``[Hq * n, rows, S]`` of query rows ``rows`` of a bucket (head-major ``q`` / ``k``
+    of :func:`_heads_major`), masked (padding keys, window) to -inf. Per-head 3-D products in plain torch's
+    order, ``(q @ k^T) * scale`` then ``softcap * tanh(s / softcap)``: the CPU BLAS's fp32 rounding depends
+    on the product's shape and layout (NOTES.md, "Torch path")."""
+    n, S = valid.shape
+    s = torch.bmm(q[:, rows], k.transpose(1, 2)).mul_(scale)
     if softcap:
-        t = torch.tanh(s * (scale / softcap))
-        s = softcap * t
+        t = torch.tanh(s / softcap)
+        s = t * softcap
     else:
-        t, s = None, s * scale
+        t = None
     left, right = window
     i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
     j = torch.arange(S, device=q.device)[None, :]
-    seen = (j >= i - left) & (j <= i + right) & valid[:, None, None, None, :]  # [n, 1, 1, rows, S]
-    return s.masked_fill(~seen, float("-inf")), t
+    seen = (j >= i - left) & (j <= i + right) & valid[:, None, :]  # [n, rows, S]
+    s.view(-1, n, *s.shape[1:]).masked_fill_(~seen, float("-inf"))
+    return s, t
 
 
 def _math_softmax(s: torch.Tensor) -> torch.Tensor:
@@ -123,50 +147,52 @@ def _window(S: int, causal: bool, window_left: int, window_right: int):
     return (S if window_left < 0 else window_left), (0 if causal else (S if window_right < 0 else window_right))
 
 
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
-    return _MATH_DTYPES.get(dtype, torch.float32)
-
-
-def _grouped(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """Padded ``[n, Hq, S, D]`` -> ``[n, Hkv, G, S, D]`` (query head h reads KV head h // G)."""
-    n, H, S, D = x.shape
-    return x.to(dtype).reshape(n, kv_heads, H // kv_heads, S, D)
-
-
 def _fwd_math(q, k, v, gather, valid, causal, scale, window_left, window_right, softcap):
-    """Softmax attention of one bucket in ``_math_dtype(q.dtype)``: (out [n, Hq, S, D], lse [n, Hq, S])."""
-    Hkv, dtype = k.shape[1], _math_dtype(q.dtype)
-    qg = _grouped(_padded(q, gather), Hkv, dtype)
-    kp, vp = (_padded(t, gather).to(dtype) for t in (k, v))
+    """Softmax attention of one bucket in ``_MATH_DTYPE``: head-major (out [Hq * n, S, D],
+    lse [Hq * n, S])."""
+    Hq, dtype = q.shape[1], _MATH_DTYPE
+    qh = _heads_major(q, gather, dtype)
+    kh, vh = (_heads_major(t, gather, dtype, Hq) for t in (k, v))
     window = _window(valid.shape[1], causal, window_left, window_right)
     outs, lses = [], []
-    for rows in _math_chunks(valid, q.shape[1]):
-        s, _ = _math_scores(qg, kp, valid, rows, scale, window, softcap)
-        outs.append(_math_softmax(s) @ vp[:, :, None])
+    for rows in _math_chunks(valid, Hq):
+        s, _ = _math_scores(qh, kh, valid, rows, scale, window, softcap)
+        outs.append(torch.bmm(_math_softmax(s), vh))
         lses.append(torch.logsumexp(s, -1))
-    return torch.cat(outs, 3).flatten(1, 2), torch.cat(lses, 3).flatten(1, 2)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
 def _bwd_math(dout, q, k, v, gather, valid, causal, scale, window_left, window_right, softcap, dtype):
-    """Gradients of one bucket in ``dtype`` (padded ``[n, H, S, D]``), the probabilities recomputed:
-    dS = P * (dP - rowsum(P * dP)) as torch's softmax backward (rowsum(dO * O) would carry O's
-    rounding to the input dtype), times 1 - tanh^2 under soft-capping. Padding rows have dO = 0."""
-    Hkv = k.shape[1]
-    qg, dog = (_grouped(_padded(t, gather, valid), Hkv, dtype) for t in (q, dout))
-    kp, vp = (_padded(t, gather).to(dtype) for t in (k, v))
+    """Gradients of one bucket in ``dtype``, head-major (dq [Hq * n, S, D], dk / dv [Hkv * n, S, D]), the
+    probabilities recomputed. Plain torch's backward, op for op: dS = torch's softmax backward
+    (P * (dP - rowsum(P * dP)); rowsum(dO * O) would carry O's rounding), tanh's backward under soft-capping,
+    times the scale, per-head 3-D products, a KV group's dK / dV summed over its query heads last. Padding
+    rows have dO = 0."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    qh = _heads_major(q, gather, dtype)
+    doh = _heads_major(dout, gather, dtype, valid=valid)
+    kh, vh = (_heads_major(t, gather, dtype, Hq) for t in (k, v))
     window = _window(valid.shape[1], causal, window_left, window_right)
-    dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kp), torch.zeros_like(vp)
-    for rows in _math_chunks(valid, q.shape[1]):
-        s, t = _math_scores(qg, kp, valid, rows, scale, window, softcap)
+    dqs, dk, dv = [], None, None
+    for rows in _math_chunks(valid, Hq):
+        s, t = _math_scores(qh, kh, valid, rows, scale, window, softcap)
         p = _math_softmax(s)
-        dp = dog[..., rows, :] @ vp[:, :, None].transpose(-1, -2)
-        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        ds = torch._softmax_backward_data(torch.bmm(doh[:, rows], vh.transpose(1, 2)), p, -1, p.dtype)
         if t is not None:
-            ds = ds * (1.0 - t * t)
-        dq[..., rows, :] = ds @ kp[:, :, None] * scale
-        dk += (ds.transpose(-1, -2) @ qg[..., rows, :]).sum(2) * scale
-        dv += (p.transpose(-1, -2) @ dog[..., rows, :]).sum(2)
-    return dq.flatten(1, 2), dk, dv
+            ds = torch.ops.aten.tanh_backward(ds, t)
+        ds.mul_(scale)
+        dqs.append(torch.bmm(ds, kh))
+        if dk is None:
+            dk, dv = torch.bmm(ds.transpose(1, 2), qh[:, rows]), torch.bmm(p.transpose(1, 2), doh[:, rows])
+        else:
+            dk.baddbmm_(ds.transpose(1, 2), qh[:, rows])
+            dv.baddbmm_(p.transpose(1, 2), doh[:, rows])
+    if Hq != Hkv:
+        n, S, D = *valid.shape, q.shape[2]
+        dk, dv = (g.view(Hkv, Hq // Hkv, n * S * D).sum(1) for g in (dk, dv))
+    return (dqs[0] if len(dqs) == 1 else torch.cat(dqs, 1)), dk, dv
 
 
 def _plain(window_left: int, window_right: int, softcap: float, causal: bool) -> bool:
@@ -189,10 +215,12 @@ def _fwd_torch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window_le
                 _padded(q, gather), _padded(k, gather), _padded(v, gather), 0.0, causal,
                 attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
             )
+            _unpad_into(out, o, rows, slots)
+            _unpad_into(lse_nat, lse, rows, slots)
         else:
             o, lse = _fwd_math(q, k, v, gather, valid, causal, softmax_scale, window_left, window_right, softcap)
-        _unpad_into(out, o, rows, slots)
-        _unpad_into(lse_nat, lse, rows, slots)
+            _unpad_heads_into(out, o, rows, slots)
+            _unpad_heads_into(lse_nat, lse, rows, slots)
     return out, lse_nat.t().contiguous()
 
 
@@ -203,11 +231,10 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
     T = q.shape[0]
     grads = [empty_output(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     lse_nat = lse.t()  # (float32: only 16-bit inputs' backward reads it)
-    math_dtype = _math_dtype(q.dtype)  # (of the inputs' own dtype, before the fp32 copies below)
-    # fp32 inputs take the fp64 math path: torch's CPU flash backward gave their dQ up to 3.5x plain fp32
+    # fp32 inputs take the math path: torch's CPU flash backward gave their dQ up to 3.5x plain fp32
     # torch's error (NOTES.md, "Torch path"); only 16-bit inputs (on fp32 copies) use it.
     fused = _plain(window_left, window_right, softcap, causal) and q.dtype in _LOW_PRECISION
-    if q.dtype in _LOW_PRECISION:
+    if fused:
         # torch's CPU flash backward loses precision on 16-bit inputs (and sums a KV group's dK/dV in
         # 16 bits), beyond flash-attn's 3x rule; on fp32 copies each gradient is rounded once, in
         # _unpad_into, and it runs faster (NOTES.md, "Torch path").
@@ -221,9 +248,11 @@ def _bwd_torch(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_
                 _padded(out, gather, valid), _padded(lse_nat, gather, valid, float("inf")), 0.0, causal,
                 attn_mask=None if causal else _key_padding_mask(valid, q.dtype), scale=softmax_scale,
             )
+            for dst, src in zip(grads, bucket_grads):
+                _unpad_into(dst, src, rows, slots)
         else:
             bucket_grads = _bwd_math(dout, q, k, v, gather, valid, causal, softmax_scale, window_left, window_right,
-                                     softcap, math_dtype)
-        for dst, src in zip(grads, bucket_grads):
-            _unpad_into(dst, src, rows, slots)
+                                     softcap, _MATH_DTYPE)
+            for dst, src in zip(grads, bucket_grads):
+                _unpad_heads_into(dst, src, rows, slots)
     return tuple(grads)

@@ -67,6 +67,16 @@ def pytest_report_header(config):
     ]
 
 
+@pytest.fixture
+def one_thread():
+    """torch on 1 thread for the test: tiny matmuls, where a second OpenMP thread only adds synchronisation
+    and on a loaded machine waiting for it dominates (40 ms per 12x64 linear seen with 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed_per_test(request):
     seed = (SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31)

@@ -53,12 +53,7 @@ _TIMED = ("timing_s/", "perf/", "fully_async/total_wait_time", "fully_async/gen_
           "fully_async/queued_batches", "fully_async/rollouter/")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared machine: a second thread only waits
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _children(pid: int) -> set:

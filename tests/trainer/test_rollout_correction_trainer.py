@@ -40,12 +40,7 @@ VERL_TOKEN_IS = ["rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout
                  "rollout_is_seq_fraction_high", "rollout_is_seq_fraction_low"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared machine: a second thread only waits
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainer(root, *extra) -> DAPOTrainer:

@@ -20,14 +20,7 @@ def tiny_model(std: float = 0.3, vocab: int = V, **kw) -> Transformer:
     return Transformer(ModelConfig(**cfg)).init_weights(std=std).eval()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: a second OpenMP thread only adds synchronisation, and on a loaded
-    # machine waiting for it dominates (40 ms per 12x64 linear seen with 2 threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Family switches on the tiny model; windows of 4 are shorter than prompt + response.

@@ -79,30 +79,44 @@ _GPU_TILES = {
     ("dkdv_dq", 90, 4): {d: _F32_DKDV[d] for d in (32,)},
     ("dkdv_dq", 80, 4): {d: _F32_DKDV[d] for d in (32,)},
 }
-# Triton < 3.7 (3.6: torch 2.11's, the GPU image's) allocates registers less tightly than 3.9: its tables drop
-# the tiles that spill only there (AOT sm_90, Triton 3.6: 16 B descriptor forward at 128 registers, 48-88 B
-# dK/dV with atomic dQ and 40-96 B dK/dV with window / softcap at D = 96-128; sm_80: 16 B at D = 16), so
-# atomic dQ falls back to the dQ kernel there. make test-lowest compiles the AOT test set under 3.6.
+# Triton 3.6-3.8 allocate registers less tightly than 3.9 (3.6: torch 2.11's, the GPU image's): their tables
+# drop the tiles that spill only there (AOT test set, Triton 3.6.0 / 3.7.1 / 3.8.0: make test-triton-versions).
+# On Hopper all three spill 40-88 B in dK/dV with atomic dQ and 40-96 B in dK/dV with window / softcap at
+# D = 96-128, so atomic dQ falls back to the dQ kernel there and the masked dK/dV keeps its 32-query tile;
+# the 128-register descriptor forward spills 16-24 B.
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
-# Triton 3.7 allocates like 3.6 on Hopper (the same tiles spill: 16-72 B, AOT sm_90 with 3.7.1) and tighter
-# still on sm_80 (8-24 B: the 128-key D = 16 and 64-key D = 32 16-bit forwards, the fp32 D = 64 forward at 2
-# stages), so it takes 3.6's tables plus its own sm_80 forward rows.
-if TRITON_VERSION < (3, 8):
+if TRITON_VERSION < (3, 9):
     _GPU_TILES = {
         **_GPU_TILES,
         ("tma_fwd_plain", 90, 2): {},
         ("dkdv_dq", 90, 2): {d: r for d, r in _GPU_TILES["dkdv_dq", 90, 2].items() if d not in (96, 128)},
         ("dkdv_masked", 90, 2): {**_GPU_TILES["dkdv", 90, 2], **dict.fromkeys((96, 128), (128, ((32, 8, 2),)))},
+    }
+# 3.6 and 3.7 besides: 16 B on sm_80 at D = 16 (16-bit dK/dV), and 16-48 B in the D = 256 descriptor forward
+# with a window or softcap (plain: 0).
+if TRITON_VERSION < (3, 8):
+    _GPU_TILES = {
+        **_GPU_TILES,
         ("dkdv", 80, 2): {**_F16_DKDV, 16: (128, ((32, 4, 2), (32, 8, 3)))},
-        # The D = 256 descriptor forward spills 16-48 B with a window or softcap at 2 stages (3.6 and 3.7); plain: 0.
         ("tma_fwd_masked", 90, 2): {d: c for d, c in _GPU_TILES["tma_fwd", 90, 2].items() if d != 256},
     }
+# 3.7 is tighter still on sm_80 (8-24 B: the 128-key D = 16 and 64-key D = 32 16-bit forwards, the fp32 D = 64
+# forward at 2 stages).
 if TRITON_VERSION[:2] == (3, 7):
     _GPU_TILES = {
         **_GPU_TILES,
         ("fwd", 80, 2): {**_GPU_TILES["fwd", 80, 2], 16: (128, ((64, 4, 3), (64, 8, 3))),
                          32: (128, ((32, 4, 3),))},
         ("fwd", 80, 4): {**_GPU_TILES["fwd", 80, 4], 64: (64, ((16, 8, 1),))},
+    }
+# 3.8 on Hopper: the 128-key descriptor forward at D = 96-128 spills 24 B (causal, and with window + softcap),
+# the fp32 D = 64 forward with window + softcap 8 B at 2 stages.
+if TRITON_VERSION[:2] == (3, 8):
+    _GPU_TILES = {
+        **_GPU_TILES,
+        ("tma_fwd", 90, 2): {**_GPU_TILES["tma_fwd", 90, 2],
+                             **dict.fromkeys((96, 128), (128, ((64, 8, 3), (64, 8, 4), (64, 8, 5))))},
+        ("fwd", 90, 4): {**_GPU_TILES["fwd", 90, 4], 64: (64, ((16, 8, 1), (32, 8, 2)))},
     }
 TMA_FWD_PLAIN_MAXNREG = 128  # (maxnreg of the "tma_fwd_plain" configs: 128 x 256 threads = half an SM's registers)
 # (arch family, element size): the dK/dV rows whose tiles fit only in the TMA form (see _dkdv_tma).

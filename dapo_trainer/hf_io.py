@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterable, Optional
 
 import torch
 
-from .families import ARCHITECTURES, family_fields, family_to_hf, hidden_act, supported_act
+from .families import ARCHITECTURES, PLANNING_ARCHITECTURES, family_fields, family_to_hf, hidden_act, supported_act
 from .model import FULL, ROPE_TYPES, SLIDING, ModelConfig, Transformer
 from .readers import read_json
 
@@ -71,8 +71,9 @@ def _rope_from_hf(cfg: dict, source: str = "config.json", local: bool = False) -
     return float(theta), (None if kind == "default" else scaling), None if local_theta is None else float(local_theta)
 
 
-def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
-    """:class:`ModelConfig` from a parsed ``config.json`` dict (a family of :data:`SUPPORTED_MODEL_TYPES`).
+def config_from_hf(cfg: dict, source: str = "config.json", *, planning: bool = False) -> ModelConfig:
+    """:class:`ModelConfig` from a parsed ``config.json`` dict (a family of :data:`SUPPORTED_MODEL_TYPES`;
+    with ``planning``, for the memory model only, also of ``families.PLANNING_ARCHITECTURES``: Qwen3-MoE).
 
     Raises ValueError naming ``source`` (the file) and the architecture or field that is unsupported,
     missing or of the wrong type (sizes must be ints >= 1).
@@ -81,13 +82,16 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         raise TypeError(f"cfg must be a dict (parsed config.json), got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    known = {**SUPPORTED_MODEL_TYPES, **PLANNING_ARCHITECTURES} if planning else SUPPORTED_MODEL_TYPES
+    if model_type not in known:
+        planned = (f" (for memory planning only: {sorted(PLANNING_ARCHITECTURES)})"
+                   if model_type in PLANNING_ARCHITECTURES else "")
         raise ValueError(f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-    unsupported = [a for a in archs if a != SUPPORTED_MODEL_TYPES[model_type]]
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}{planned}")
+    unsupported = [a for a in archs if a != known[model_type]]
     if unsupported:
         raise ValueError(f"{source}: architectures {unsupported} are not supported; "
-                         f"expected {SUPPORTED_MODEL_TYPES[model_type]!r} for model_type {model_type!r}")
+                         f"expected {known[model_type]!r} for model_type {model_type!r}")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if cfg.get(k) is None]
     if missing:
@@ -139,7 +143,7 @@ def config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
     out = copy.deepcopy(cfg.hf_config) if cfg.hf_config else {}
     out.pop("rope_parameters", None)
     out.update(
-        architectures=[SUPPORTED_MODEL_TYPES[cfg.model_type]],
+        architectures=[{**SUPPORTED_MODEL_TYPES, **PLANNING_ARCHITECTURES}[cfg.model_type]],
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -166,15 +170,15 @@ def config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
     return out
 
 
-def read_hf_config(path: str) -> ModelConfig:
-    """:class:`ModelConfig` of the checkpoint directory ``path``."""
+def read_hf_config(path: str, *, planning: bool = False) -> ModelConfig:
+    """:class:`ModelConfig` of the checkpoint directory ``path`` (``planning``: see :func:`config_from_hf`)."""
     file = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} has no {CONFIG_NAME}")
     cfg = read_json(file)
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
-    return config_from_hf(cfg, file)
+    return config_from_hf(cfg, file, planning=planning)
 
 
 # --------------------------------------------------------------------------- weights

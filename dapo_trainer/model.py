@@ -54,6 +54,11 @@ class ModelConfig:
     ``sliding_window`` positions, itself included; None: all) on the layers ``layer_types`` marks
     ``"sliding_attention"`` (None: all layers), whose RoPE base is ``rope_local_theta`` (unscaled;
     None: the global rope). The embedding row ``pad_token_id`` gets no gradient (transformers' ``padding_idx``).
+    Mixture of experts (Qwen3-MoE; ``num_experts > 0``): the shape :mod:`dapo_trainer.memory_model` and
+    ``dapo-tune`` plan with -- :class:`Transformer` does not build these layers yet. Layer ``i`` is sparse
+    (:meth:`is_moe`) unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``: a router
+    ``[num_experts, H]`` picks ``num_experts_per_tok`` experts per token, each a gated MLP of
+    ``moe_intermediate_size`` units (``norm_topk_prob``: the picked weights renormalised to sum 1).
     ``hf_config`` keeps the checkpoint's own ``config.json`` so that saving writes back
     every field we do not model (token ids, generation settings, ...).
     """
@@ -84,6 +89,12 @@ class ModelConfig:
     layer_types: Optional[Tuple[str, ...]] = None
     rope_local_theta: Optional[float] = None
     pad_token_id: Optional[int] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: Tuple[int, ...] = ()
     model_type: str = "llama"
     hf_config: Optional[dict] = field(default=None, repr=False, compare=False)
 
@@ -106,6 +117,15 @@ class ModelConfig:
             if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {SLIDING, FULL}:
                 raise ValueError(f"layer_types must name {SLIDING!r} or {FULL!r} for each of the "
                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts:
+            check_int("num_experts", self.num_experts, minimum=1)
+            check_int("num_experts_per_tok", self.num_experts_per_tok, minimum=1)
+            check_int("moe_intermediate_size", self.moe_intermediate_size, minimum=1)
+            check_int("decoder_sparse_step", self.decoder_sparse_step, minimum=1)
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                                 f"({self.num_experts})")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer ``layer`` attends within ``sliding_window``."""
@@ -115,14 +135,28 @@ class ModelConfig:
         """Whether layer ``layer`` (of type sliding, window or not) rotates with ``rope_local_theta``."""
         return self.rope_local_theta is not None and (self.layer_types is None or self.layer_types[layer] == SLIDING)
 
-    def num_params(self, *, embeddings: bool = True) -> int:
-        """Parameter count (tied embeddings counted once)."""
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer``: attention, norms and its MLP -- dense (3 H I), or the
+        router (E H) and all ``num_experts`` experts' (E x 3 H moe_I) when :meth:`is_moe`."""
         H, D = self.hidden_size, self.head_dim
         q, kv = self.num_heads * D, self.num_kv_heads * D
         attn = H * (q + 2 * kv) + q * H + (q + 2 * kv) * self.qkv_bias + H * self.o_bias
-        mlp = 3 * H * self.intermediate_size + (2 * self.intermediate_size + H) * self.mlp_bias
+        if self.is_moe(layer):
+            mlp = self.num_experts * (H + 3 * H * self.moe_intermediate_size)
+        else:
+            mlp = 3 * H * self.intermediate_size + (2 * self.intermediate_size + H) * self.mlp_bias
         norms = (4 if self.sandwich_norms else 2) * H + 2 * D * self.qk_norm
-        n = self.num_layers * (attn + mlp + norms) + H
+        return attn + mlp + norms
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        """Parameter count (tied embeddings counted once; every expert of an MoE layer counted)."""
+        H = self.hidden_size
+        n = sum(self.layer_params(i) for i in range(self.num_layers)) + H
         if embeddings:
             n += self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
         return n
@@ -335,6 +369,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.num_experts:
+            raise ValueError(f"{cfg.model_type}: mixture-of-experts layers (num_experts={cfg.num_experts}) are not "
+                             "built by this trainer yet; its config serves memory planning (dapo-tune) only")
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})

@@ -2,7 +2,7 @@
 
 ``import dapo_kernels as dk`` and call the ops as drop-in replacements for what verl,
 TRL and flash-attn provide. The tensor ops (packing, attention, log-probs, losses, group
-filter, rollout correction) are ``torch.library`` custom ops (namespace ``dapo``) dispatched per device by
+filter, rollout correction, MoE experts) are ``torch.library`` custom ops (namespace ``dapo``) dispatched per device by
 :mod:`dapo_kernels._registry`; ``kl_penalty`` is plain differentiable torch, the balancing
 functions run in C++ on host integers, and ``DynamicBatchAccumulator`` is a Python class.
 """
@@ -12,6 +12,8 @@ from .ops.group_filter import GroupFilterResult, group_filter
 from .ops.fused_linear_policy_loss import fused_linear_policy_loss
 from .ops.kl_penalty import KL_TYPES, kl_penalty
 from .ops.linear_log_probs import linear_log_probs
+from .ops.moe import (MoEPermutation, fused_moe, moe_experts, moe_load_balancing_loss, moe_permute, moe_route,
+                      moe_tokens_per_expert, moe_unpermute)
 from .ops.overlong_penalty import overlong_penalty
 from .ops.packing import pad_input, packed_position_ids, unpad_input
 from .ops.policy_loss import LOSS_AGG_MODES, policy_loss
@@ -52,4 +54,12 @@ __all__ = [
     "pad_input",
     "packed_position_ids",
     "varlen_attention",
+    "moe_route",
+    "moe_experts",
+    "fused_moe",
+    "moe_permute",
+    "moe_unpermute",
+    "moe_load_balancing_loss",
+    "moe_tokens_per_expert",
+    "MoEPermutation",
 ]

@@ -15,6 +15,8 @@ message naming the argument.
   0 / 1; a float mask's values checked on the device) returned as bool;
 * :func:`check_clip_ratios` ``(clip_ratio_low, clip_ratio_high, clip_ratio_c)`` - the PPO clip ratios,
   each against its rule in ``CLIP_RATIO_RANGES``;
+* :func:`check_rollout_correction` ``(rollout_is, rollout_is_threshold, ...)`` - ``rollout_correction``'s
+  options (verl's ``algorithm.rollout_correction`` keys), parsed as the op parses them, no tensor;
 * ``FLOAT_DTYPES`` / ``INT_DTYPES`` / ``MASK_DTYPES`` - the dtypes the ops accept for floats / integer
   ids / masks.
 """
@@ -22,6 +24,7 @@ from typing import Tuple
 
 from ._validation import (FLOAT_DTYPES, INT_DTYPES, MASK_DTYPES, check_cu_seqlens, check_flag, check_float,
                           check_float_or_tensor, check_int, check_mask, check_tensor, to_device_checked)
+from ._rollout_spec import make_params
 
 # (valid, expected) of each clip ratio, as check_float takes them: the one rule of the loss ops and
 # of the trainer config's actor_rollout_ref.actor.clip_ratio_* keys.
@@ -39,6 +42,15 @@ def check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> Tuple[fl
                  for (name, (valid, expected)), v in zip(CLIP_RATIO_RANGES.items(), values))
 
 
+def check_rollout_correction(rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize: bool = False,
+                             rollout_rs=None, rollout_rs_threshold=None) -> None:
+    """``dk.rollout_correction``'s options checked exactly as the op checks them, before any tensor
+    exists (a trainer's config load): ``ValueError`` / ``TypeError`` whose message starts with the
+    argument's name."""
+    check_flag("rollout_is_batch_normalize", rollout_is_batch_normalize)
+    make_params(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+
+
 __all__ = ["check_tensor", "check_int", "check_float", "check_flag", "check_float_or_tensor", "check_cu_seqlens",
-           "check_mask", "to_device_checked", "check_clip_ratios", "CLIP_RATIO_RANGES", "FLOAT_DTYPES", "INT_DTYPES",
-           "MASK_DTYPES"]
+           "check_mask", "to_device_checked", "check_clip_ratios", "check_rollout_correction", "CLIP_RATIO_RANGES",
+           "FLOAT_DTYPES", "INT_DTYPES", "MASK_DTYPES"]

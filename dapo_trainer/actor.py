@@ -7,6 +7,13 @@ rank, so an SP group's micro-batch holds SP times as many tokens) packed through
 averaged over the gradient ranks by torch's DDP (once per mini-batch: the micro-batches before
 the last accumulate under ``no_sync``) or FSDP2, clipping, AdamW with warmup. An update whose
 loss or gradient norm is not finite is skipped.
+
+Rollout correction (``algorithm.rollout_correction``, with ``rollout.calculate_log_probs``), verl
+0.9.1's two modes: decoupled (default), after the old-log-prob pass ``dk.rollout_correction`` of the
+old vs the rollout's log-probs over the whole train batch (``[N, R]``, as verl's driver), its IS
+weights and rejection-masked response mask handed to every micro-batch's loss; ``bypass_mode``, no
+old-log-prob pass, the rollout's log-probs are the old ones and each micro-batch is corrected against
+the current policy inside the update (verl's ``compute_policy_loss_bypass_mode``, PPO-clip).
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ _LOSS_FRACTIONS = {"pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "act
 _TOKEN_MEANS = (*_LOSS_FRACTIONS.values(), "actor/entropy")
 # The update's metric sums kept on the device: per mini-batch means, token-weighted sums, and the token count.
 _SUMS = ("actor/pg_loss", "actor/kl_loss") + _TOKEN_MEANS + ("tokens",)
+# bypass_mode: micro-batches whose rollout_corr/* metrics the sums hold (verl averages them over micro-batches).
+_CORRECTED = "rollout_corr_micro_batches"
 
 
 def scaled_token_len(base: int, mean_turns: float, cfg, longest: int) -> int:
@@ -69,7 +78,8 @@ def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: 
 def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None) -> MicroBatch:
     """Prompt + response of ``rows`` end to end, labels shifted by one token; under sequence
     parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard."""
-    ids, cu, mask, adv = [], [0], [], []
+    ids, cu, mask, adv, cells = [], [0], [], [], []
+    width = batch.response_ids.shape[1]
     for i in rows:
         pl, rl = int(batch.prompt_len[i]), int(batch.response_len[i])
         seq = torch.cat([batch.prompt_ids[i, :pl], batch.response_ids[i, :rl]])
@@ -81,19 +91,42 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
         m[pl - 1:pl + rl - 1] = batch.sampled[i, :rl]
         mask.append(m)
         adv.append(torch.full((pl + rl,), float(batch.advantages[i])))
+        cell = torch.full((pl + rl,), -1, dtype=torch.int64)  # the [N, R] grid's cell each position predicts
+        cell[pl - 1:pl + rl - 1] = i * width + torch.arange(rl)
+        cells.append(cell)
     input_ids = torch.cat(ids)
     labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
     lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
-    mask, adv = torch.cat(mask), torch.cat(adv)
+    mask, adv, cells = torch.cat(mask), torch.cat(adv), torch.cat(cells)
     if sp_group is not None:  # the model takes every token and computes this rank's shard; the loss reads that shard
-        labels, mask, adv = (shard_sequence(t, sp_group) for t in (labels, mask, adv))
+        labels, mask, adv, cells = (shard_sequence(t, sp_group) for t in (labels, mask, adv, cells))
+    mask_index = mask.nonzero().squeeze(1)
     # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
     # read nothing of them inside the micro-batch loop; the masked positions are listed here too
     # (a host tensor: no device read), for masked_log_probs.
     return MicroBatch(input_ids=to_device_checked(input_ids, device), labels=to_device_checked(labels, device),
-                      mask=mask.to(device), mask_index=mask.nonzero().squeeze(1).to(device),
-                      advantages=adv.to(device),
-                      cu_seqlens=to_device_checked(torch.tensor(cu, dtype=torch.int32), device), max_seqlen=max(lens))
+                      mask=mask.to(device), mask_index=mask_index.to(device), advantages=adv.to(device),
+                      cu_seqlens=to_device_checked(torch.tensor(cu, dtype=torch.int32), device), max_seqlen=max(lens),
+                      response_index=cells[mask_index].to(device))
+
+
+def to_grid(packed: List[List[MicroBatch]], values: List[List[Optional[torch.Tensor]]], shape: Tuple[int, int],
+            device: torch.device) -> torch.Tensor:
+    """Per-token ``values`` (``[T]`` per micro-batch, None where this rank has none: a pipeline's
+    earlier stages) at their masked positions, laid out in the train batch's ``[N, R]`` grid (0 at the
+    cells this rank did not compute). Device ops only."""
+    flat = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
+    for mbs, row in zip(packed, values):
+        for mb, v in zip(mbs, row):
+            if v is not None:
+                flat.index_copy_(0, mb.response_index, v.index_select(0, mb.mask_index).to(flat.dtype))
+    return flat.view(shape)
+
+
+def from_grid(mb: MicroBatch, grid: torch.Tensor) -> torch.Tensor:
+    """``grid``'s ``[N, R]`` values at ``mb``'s masked positions, as ``[T]`` (zeros / False elsewhere)."""
+    flat = grid.reshape(-1)
+    return flat.new_zeros(mb.mask.shape[0]).index_copy_(0, mb.mask_index, flat.index_select(0, mb.response_index))
 
 
 def build_optimizer(model, optim_cfg, total_training_steps: int):
@@ -142,6 +175,19 @@ class Actor:
             entropy_coeff=a.entropy_coeff, calculate_entropy=True,
             kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
             process_group=dims.loss_tp_group)
+        # algorithm.rollout_correction runs when the rollout's log-probs are handed over (verl: when the batch
+        # has rollout_log_probs), in verl's decoupled mode or its bypass_mode (the config refuses the rest).
+        rc = cfg.algorithm.rollout_correction
+        self.correct = cfg.actor_rollout_ref.rollout.calculate_log_probs
+        self.bypass = self.correct and rc.bypass_mode
+        self.correction_options = dict(
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold)
+        # bypass_mode's metric names, summed on the device per micro-batch (the op's own names, from a 1-token call).
+        one = torch.zeros(1, 1)
+        self.bypass_metrics = list(dk.rollout_correction(one, one, one.bool(), **self.correction_options).metrics) \
+            if self.bypass else []
 
     def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
@@ -191,18 +237,64 @@ class Actor:
         lps = self.log_probs(model, plan, packed)
         return [[replace(mb, **{field: lp}) for mb, lp in zip(mbs, row)] for mbs, row in zip(packed, lps)]
 
+    def _correct(self, batch: TrainBatch, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]):
+        """verl's decoupled rollout correction: ``dk.rollout_correction`` of the old log-probs (``packed``'s)
+        vs the rollout's over the whole train batch's ``[N, R]`` grid and its sampled tokens, as verl's driver
+        runs it; returns ``(plan, packed, metrics)`` with each micro-batch's IS weights and rejection-masked
+        mask, the mini-batches' token counts after rejection (device tensors) and the ``rollout_corr/*``
+        metrics (0-dim device tensors). No host read."""
+        shape = tuple(batch.log_probs.shape)
+        old = self._every_ranks_cells(to_grid(packed, [[mb.old_log_prob for mb in mbs] for mbs in packed], shape,
+                                              self.device))
+        rc = dk.rollout_correction(old, batch.log_probs.to(self.device), batch.sampled.to(self.device),
+                                   **self.correction_options)
+        w = rc.rollout_is_weights
+        packed = [[replace(mb, mask=from_grid(mb, rc.response_mask),
+                           rollout_is_weights=None if w is None else from_grid(mb, w)) for mb in mbs]
+                  for mbs in packed]
+        if self.correction_options["rollout_rs"] is not None:  # verl's token count is the rejection-masked one
+            rows, kept = self.actor_cfg.ppo_mini_batch_size * self.n, rc.response_mask.sum(1)
+            plan = [replace(p, num_tokens=kept[k * rows:(k + 1) * rows].sum()) for k, p in enumerate(plan)]
+        return plan, packed, rc.metrics
+
+    def _every_ranks_cells(self, grid: torch.Tensor) -> torch.Tensor:
+        """``grid`` with the cells the other ranks computed: each cell is one DP rank's row, one SP rank's
+        token, on the last pipeline stage (TP ranks hold the same values)."""
+        dims = self.dims
+        if dims.grad_ranks == 1 and dims.pp == 1:
+            return grid
+        grid = grid.to(dims.comm_device)
+        if dims.pp > 1:
+            dist.all_reduce(grid, group=dims.pp_group)
+        if dims.grad_ranks > 1:
+            dist.all_reduce(grid, group=dims.grad_group)
+        return grid.to(self.device)
+
+    def _bypass_correction(self, log_prob: torch.Tensor, mb: MicroBatch):
+        """verl's bypass_mode correction of one micro-batch: the current log-probs vs the rollout's (its
+        ``old_log_prob``) over its sequences (``dk.rollout_correction``, packed)."""
+        return dk.rollout_correction(log_prob, mb.old_log_prob, mb.mask, cu_seqlens=mb.cu_seqlens,
+                                     **self.correction_options)
+
     def update(self, batch: TrainBatch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
         a = self.actor_cfg
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
-        # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1).
-        on_policy = a.ppo_epochs == 1 and len(plan) == 1
-        timing = {}
-        t0 = time.perf_counter()
-        if not on_policy:
-            packed = self._with_log_probs(self.model, plan, packed, "old_log_prob")
-        timing["timing_s/old_log_prob"] = time.perf_counter() - t0
+        # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1);
+        # bypass_mode: the old log-probs are the rollout's, whatever the plan.
+        on_policy = a.ppo_epochs == 1 and len(plan) == 1 and not self.bypass
+        timing, corrected = {}, {}
+        if self.bypass:  # verl: no old-log-prob phase at all (so no timing_s/old_log_prob either)
+            rollout = batch.log_probs.to(self.device)
+            packed = [[replace(mb, old_log_prob=from_grid(mb, rollout)) for mb in mbs] for mbs in packed]
+        else:
+            t0 = time.perf_counter()
+            if not on_policy or self.correct:  # the correction needs the old log-probs on-policy too
+                packed = self._with_log_probs(self.model, plan, packed, "old_log_prob")
+            if self.correct:
+                plan, packed, corrected = self._correct(batch, plan, packed)
+            timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.ref_model is not None:
             packed = self._with_log_probs(self.ref_model, plan, packed, "ref_log_prob")
@@ -211,7 +303,8 @@ class Actor:
         t0 = time.perf_counter()
         # Metric sums stay on the device through the micro-batch loop (no host read there); the loss and
         # the gradient norm are read once per update, to decide whether to apply it.
-        sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in _SUMS}
+        names = _SUMS + ((*self.bypass_metrics, _CORRECTED) if self.bypass else ())
+        sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in names}
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
         for epoch in range(a.ppo_epochs):
@@ -244,6 +337,10 @@ class Actor:
         out.update({name: totals[name] / max(totals["tokens"], 1.0) for name in _TOKEN_MEANS})
         if has_kl:
             out["actor/kl_loss"] = totals["actor/kl_loss"] / n_mini
+        if self.bypass:
+            out.update({name: totals[name] / max(totals[_CORRECTED], 1.0) for name in self.bypass_metrics})
+        if corrected:  # the step's one read of them, with its other metrics
+            out.update(zip(corrected, torch.stack(list(corrected.values())).tolist()))
         out.update(timing)
         if a.use_dynamic_bsz:  # the micro-batch token cap and how full it keeps this rank's micro-batches
             n_micro, cap = sum(len(p.micro) for p in plan), plan[0].max_token_len
@@ -256,14 +353,27 @@ class Actor:
         """The loss of one micro-batch to backpropagate, and whether it had a KL term; adds its loss to
         ``mini_loss`` (the mini-batch's so far, in place) and its metrics to ``sums``."""
         seq_mode = self.actor_cfg.loss_agg_mode.startswith("seq")
+        mask, corrected = mb.mask, None
+        if self.bypass and self.correction_options["rollout_rs"] is not None:
+            # verl's bypass_mode rejects tokens by the current policy vs the rollout, before the loss.
+            with torch.no_grad():
+                corrected = self._bypass_correction(project_log_probs(self.model, hidden, mb, self.temperature), mb)
+            mask = corrected.response_mask
         # Read after the forward: FSDP2 swaps the root's gathered weights in there
-        # (before it, lm_head.weight is this rank's DTensor shard).
+        # (before it, lm_head.weight is this rank's DTensor shard). bypass_mode's PPO-clip takes no IS weights
+        # (the ratio to the rollout policy is the correction, as verl's).
         loss, m = dk.fused_linear_policy_loss(
             hidden, self.model.lm_head.weight, mb.labels, None if on_policy else mb.old_log_prob, mb.advantages,
-            mb.mask, num_tokens=p.num_tokens, num_seqs=p.num_seqs, cu_seqlens=mb.cu_seqlens if seq_mode else None,
-            ref_log_prob=mb.ref_log_prob, **self.loss_options)
+            mask, num_tokens=p.num_tokens, num_seqs=p.num_seqs, cu_seqlens=mb.cu_seqlens if seq_mode else None,
+            ref_log_prob=mb.ref_log_prob, rollout_is_weights=mb.rollout_is_weights, **self.loss_options)
         mini_loss += loss.detach().double()
-        add_loss_metrics(sums, m, mb.mask)
+        add_loss_metrics(sums, m, mask)
+        if self.bypass:  # verl's bypass_mode metrics of this micro-batch (the current policy vs the rollout)
+            if corrected is None:
+                corrected = self._bypass_correction(m["log_prob"], mb)
+            for name, v in corrected.metrics.items():
+                sums[name] += v
+            sums[_CORRECTED] += 1
         # A rank whose loss so far is not finite backpropagates NaN: DDP's reduction (in the last
         # micro-batch's backward), FSDP's reduce-scatter or the norm's all-reduce then hands every
         # rank a non-finite norm, and all of them skip the update together. DDP and FSDP average

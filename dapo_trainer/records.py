@@ -2,8 +2,8 @@
 
     GenerationStage --RolloutShare (all-gathered)--> GenerationBatch (a TrainBatch of every
     response, its keep mask) --TrainBatch.tensors()--> dk.DynamicBatchAccumulator --take()-->
-    TrainBatch --> Actor.plan: [MiniBatchPlan] --> Actor.pack: MicroBatch (+ old / ref log-probs
-    by dataclasses.replace) --> the loss.
+    TrainBatch --> Actor.plan: [MiniBatchPlan] --> Actor.pack: MicroBatch (+ old / ref log-probs,
+    rollout-correction weights and mask by dataclasses.replace) --> the loss.
 
 The per-response fields keep :class:`Responses`' names end to end; the accumulator's
 ``{name: tensor}`` dicts (its library API) hold the same names.
@@ -11,7 +11,7 @@ The per-response fields keep :class:`Responses`' names end to end; the accumulat
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -27,7 +27,9 @@ class Responses:
 
     prompt_ids: torch.Tensor = _column(torch.int64, "prompt")  # [N, P], pad id past prompt_len
     response_ids: torch.Tensor = _column(torch.int64, "response")  # [N, R], pad id past response_len
-    log_probs: torch.Tensor = _column(torch.float32, "response")  # [N, R] the sampler's, 0 past response_len
+    # [N, R] the sampler's log-prob of each sampled token under the distribution it sampled from
+    # (temperature-scaled, no top-p renormalisation; verl's rollout_log_probs), 0 past response_len.
+    log_probs: torch.Tensor = _column(torch.float32, "response")
     # Tokens the model sampled (multi-turn: the environment's tokens are context, never trained on).
     sampled: torch.Tensor = _column(torch.bool, "response")  # [N, R]
     prompt_len: torch.Tensor = _column(torch.int64)
@@ -115,7 +117,9 @@ class MiniBatchPlan:
     """One mini-batch of the update as this rank runs it."""
 
     micro: List[List[int]]  # this rank's micro-batches, rows of the train batch
-    num_tokens: int  # trained-on response tokens of the whole mini-batch (every rank's)
+    # Trained-on response tokens of the whole mini-batch (every rank's); after rollout rejection
+    # sampling, the count left as a 0-dim device tensor (never read on the host).
+    num_tokens: Union[int, torch.Tensor]
     num_seqs: int  # sequences of the whole mini-batch
     max_token_len: Optional[int]  # the micro-batch token cap (actor.use_dynamic_bsz), else None
     tokens: int  # this rank's tokens in its micro-batches
@@ -127,7 +131,9 @@ class MicroBatch:
     """Sequences packed end to end (``[T]`` tokens), on the device; labels shifted by one token.
 
     Under sequence parallelism ``labels``, ``mask`` and ``advantages`` are this rank's token
-    shard; ``mask_index`` lists the masked positions (a host-built tensor: no device read).
+    shard; ``mask_index`` lists the masked positions (a host-built tensor: no device read) and
+    ``response_index`` the same positions' cells ``row * R + k`` of the train batch's ``[N, R]``
+    response grid (how per-token values go between the two layouts without a host read).
     """
 
     input_ids: torch.Tensor
@@ -137,11 +143,14 @@ class MicroBatch:
     advantages: torch.Tensor
     cu_seqlens: torch.Tensor  # int32 [S + 1]
     max_seqlen: int
-    old_log_prob: Optional[torch.Tensor] = None  # [T], recomputed off-policy
+    old_log_prob: Optional[torch.Tensor] = None  # [T], recomputed off-policy (bypass_mode: the rollout's)
     ref_log_prob: Optional[torch.Tensor] = None  # [T], the reference model's (KL loss)
+    response_index: Optional[torch.Tensor] = None  # [len(mask_index)] int64, see above
+    rollout_is_weights: Optional[torch.Tensor] = None  # [T], algorithm.rollout_correction's IS weights
 
     @classmethod
     def empty(cls, device: torch.device) -> "MicroBatch":
         """No sequence: all padding in a pipeline, no loss."""
         none = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(none, none, none.bool(), none, none.float(), torch.zeros(1, dtype=torch.int32, device=device), 0)
+        return cls(none, none, none.bool(), none, none.float(), torch.zeros(1, dtype=torch.int32, device=device), 0,
+                   response_index=none)

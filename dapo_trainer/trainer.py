@@ -7,10 +7,12 @@ One step (``DAPOTrainer.train_step``):
    (``dk.group_filter``: keep groups whose metric varies; GRPO advantages of the final reward) and
    accumulate (``dk.DynamicBatchAccumulator``) until ``data.train_batch_size`` groups are kept
    (``DynamicSamplingExhausted`` after ``max_num_gen_batches``);
-2. :class:`~dapo_trainer.actor.Actor`: old log-probs (skipped on-policy: one mini-batch, one epoch)
-   and reference log-probs, then the policy update per mini-batch; an update whose loss or gradient
-   norm is not finite is skipped (the run stops after ``trainer.max_nonfinite_steps`` such steps in
-   a row);
+2. :class:`~dapo_trainer.actor.Actor`: old log-probs (skipped on-policy: one mini-batch, one epoch),
+   the rollout correction (``algorithm.rollout_correction`` with ``rollout.calculate_log_probs``: IS
+   weights and rejection mask for the loss; ``bypass_mode``: the rollout's log-probs are the old ones,
+   no old-log-prob pass) and reference log-probs, then the policy update per mini-batch; an update
+   whose loss or gradient norm is not finite is skipped (the run stops after
+   ``trainer.max_nonfinite_steps`` such steps in a row);
 3. push the weights to the rollout engine; log (:func:`~dapo_trainer.batch_metrics.batch_metrics`).
 
 Parallelism (:class:`~dapo_trainer.parallel.ParallelDims`): every data-parallel replica samples its

@@ -179,6 +179,15 @@ def _group_size():
     return dict(scores=(torch.rand(24) > 0.5).float(), group_size=4)
 
 
+def _moe():
+    """8 tokens, 4 experts, top-2: expert 3 receives no token; tokens 0 and 1 pick one expert twice."""
+    T, H, I, E = 8, 16, 16, 4
+    ids = torch.stack([torch.arange(T) % 3, (torch.arange(T) + 1) % 3], 1)
+    ids[:2, 1] = ids[:2, 0]
+    return dict(hidden_states=torch.randn(T, H), gate_up_proj=torch.randn(E, 2 * I, H) / 4,
+                down_proj=torch.randn(E, H, I) / 4, topk_weights=torch.rand(T, 2), topk_ids=ids)
+
+
 def _fused_call(mode: str):
     def call(a):
         kw = {k: a[k] for k in ("cu_seqlens", "rollout_is_weights") if k in a}
@@ -231,6 +240,9 @@ CASES = [
     OpCase("group_filter-size", _group_size, lambda a: dk.group_filter(a["scores"], group_size=a["group_size"])),
     *(OpCase(f"rollout_correction-{'packed' if p else 'padded'}", _rollout(p), _rollout_call(p), (), "response_mask")
       for p in (False, True)),
+    OpCase("moe_experts", _moe, lambda a: dk.moe_experts(a["hidden_states"], a["gate_up_proj"], a["down_proj"],
+                                                       a["topk_weights"], a["topk_ids"]),
+           ("hidden_states", "gate_up_proj", "down_proj", "topk_weights")),
     OpCase("overlong_penalty-float", lambda: dict(response_lengths=torch.rand(3, 5) * 120),
            lambda a: dk.overlong_penalty(a["response_lengths"], 100, 30, 0.5)),
     OpCase("overlong_penalty-int", lambda: dict(response_lengths=torch.randint(0, 120, (3, 5))),

@@ -32,6 +32,10 @@ EXPECTED_DOTS = {
     "_varlen_attention_bwd_dkdv_kernel": {"b_st", "b_dv", "b_dpt", "b_dk"},
     "_varlen_attention_bwd_dq_kernel": {"b_s", "b_dp", "b_dq"},
     "_varlen_attention_fwd_hopper_kernel": {"b_s", "b_pv"},
+    "_moe_gate_up_fwd_kernel": {"acc_g", "acc_u"},
+    "_moe_rows_gemm_kernel": {"acc"},
+    "_moe_gate_up_bwd_kernel": {"acc"},
+    "_moe_weight_grad_kernel": {"acc"},
 }
 
 _PTX = """

@@ -19,7 +19,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # Public names of dk.__all__ that are not functions to call: the result / exception types and
 # constants the ops return, raise or accept.
 NOT_IN_BLOCK = {"GroupFilterResult", "RolloutCorrectionResult", "DynamicSamplingExhausted", "KL_TYPES",
-                "LOSS_AGG_MODES"}
+                "LOSS_AGG_MODES", "MoEPermutation"}
 
 
 def signature_block(text: str) -> str:

@@ -68,7 +68,8 @@ MIN_WGMMA_N = 64
 # no tensor-core instruction computes: those dots are FMA by design.
 MATMUL_KERNELS = (
     "_varlen_attention_fwd_kernel", "_varlen_attention_bwd_dkdv_kernel", "_varlen_attention_bwd_dq_kernel",
-    "_varlen_attention_fwd_hopper_kernel",
+    "_varlen_attention_fwd_hopper_kernel", "_moe_gate_up_fwd_kernel", "_moe_rows_gemm_kernel",
+    "_moe_gate_up_bwd_kernel", "_moe_weight_grad_kernel",
 )
 B16 = ("float16", "bfloat16")
 # Kernels a launcher starts on one arch only (the rest compile on every arch in ARCHS).

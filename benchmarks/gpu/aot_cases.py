@@ -45,7 +45,8 @@ def _launchers() -> Dict[str, Callable]:
     from dapo_kernels._registry import _impls
     from dapo_kernels.ops.linear_log_probs import dlogits_triton, row_stats_triton
     names = ("varlen_attention_fwd", "varlen_attention_bwd", "policy_loss_sums", "policy_loss_grad",
-             "group_filter", "overlong_penalty", "index_rows", "scatter_rows", "rollout_correction")
+             "group_filter", "overlong_penalty", "index_rows", "scatter_rows", "rollout_correction",
+             "moe_experts_fwd", "moe_experts_bwd")
     return {**{n: _impls[n]["triton"] for n in names}, "logits_stats": row_stats_triton,
             "logits_grad": dlogits_triton}
 
@@ -158,7 +159,7 @@ def _nan_marks(dtypes, head_dims) -> Iterator[Case]:
 def _rollout_correction(dtypes, modes) -> Iterator[Case]:
     """Both passes (statistics, write) per dtype and mode; the mode's IS level and IcePop are constexprs."""
     import torch
-    from dapo_kernels.ops._rollout_spec import make_params
+    from dapo_kernels._rollout_spec import make_params
     launch = _launchers()["rollout_correction"]
     lens = [300, 0, 17, 1024]
     for dt in dtypes:
@@ -184,6 +185,24 @@ def _packing(dtypes, widths) -> Iterator[Case]:
             yield Case("packing", _name(dt), f"F={F}", run)
 
 
+def _moe(dtypes) -> Iterator[Case]:
+    """moe_experts forward (gate/up GEMM, weighted down GEMM, combine) and backward (gate/up backward, the
+    routing weights' and dx's row GEMMs, combine, both weight gradients): 8 experts, top-2, widths that
+    are multiples of 16 (the kernels' tiles do not depend on them)."""
+    import torch
+    from dapo_kernels.ops.moe.permutation import build_permutation
+    launch = _launchers()
+    T, H, I, E, k = 128, 512, 256, 8, 2
+    for dt in dtypes:
+        def run(dt=dt):
+            x, w = torch.randn(T, H, dtype=dt), torch.rand(T, k, dtype=dt)
+            gate_up, down = torch.randn(E, 2 * I, H, dtype=dt), torch.randn(E, H, I, dtype=dt)
+            perm = build_permutation(torch.rand(T, E).argsort(-1)[:, :k], E)
+            out, gu = launch["moe_experts_fwd"](x, gate_up, down, w, *perm)
+            launch["moe_experts_bwd"](torch.randn_like(out), x, gate_up, down, w, gu, *perm)
+        yield Case("moe", _name(dt), f"H={H} I={I} E={E} top{k}", run)
+
+
 def cases(which: str) -> List[Case]:
     """The launches of ``--set which``.
 
@@ -195,7 +214,7 @@ def cases(which: str) -> List[Case]:
     rows (bf16 80, fp32 112) and two window + soft-capping instances; linear_log_probs in bf16 and
     fp32; the elementwise kernels at one dtype each (their dtype changes only loads and stores),
     group_filter at groups of 4 and 16 (the shapes that spilled before their fix), rollout_correction
-    with token and sequence weights in fp32.
+    with token and sequence weights in fp32, moe in bf16 and fp32.
     """
     import torch
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -210,7 +229,8 @@ def cases(which: str) -> List[Case]:
                 *_group_filter((f16, bf16), (16,), (torch.int64, torch.int32), ()),
                 *_rollout_correction((f16, bf16, f32, f64), RC_MODES),
                 *_nan_marks((f16, bf16, f32), ATTN_HEAD_DIMS),
-                *_packing((torch.bool, *ints, f16, bf16, f32, f64), (64, 4096))]
+                *_packing((torch.bool, *ints, f16, bf16, f32, f64), (64, 4096)),
+                *_moe((f16, bf16, f32))]
     if which == "test":
         return [*_attention([(bf16, 16, True), (f16, 32, False), (bf16, 64, True), (f16, 96, False),
                              (bf16, 128, True), (f16, 128, False), (bf16, 256, False),
@@ -222,5 +242,6 @@ def cases(which: str) -> List[Case]:
                 *_group_filter((f64,), (4, 16), (torch.int32,), (torch.int64,)),
                 *_rollout_correction((f32,), RC_MODES[1:]),
                 *_nan_marks((bf16,), (128,)),
-                *_packing((f64,), (4096,))]
+                *_packing((f64,), (4096,)),
+                *_moe((bf16, f32))]
     raise ValueError(f"unknown set {which!r}")

@@ -31,7 +31,7 @@ import triton.language as tl
 from .._alloc import empty_output
 from .._registry import dispatch, register
 from .._validation import FLOAT_DTYPES, check_cu_seqlens, check_flag, check_mask, check_tensor
-from ._rollout_spec import (PREFIX, RS_OPTIONS, SAFETY_BOUND, TOKEN_RS, CorrectionParams, make_params,
+from .._rollout_spec import (PREFIX, RS_OPTIONS, SAFETY_BOUND, TOKEN_RS, CorrectionParams, make_params,
                             metric_names)
 from .policy_loss import _clamp_nan, _max_nan, _min_nan
 

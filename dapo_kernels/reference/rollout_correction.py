@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..ops._rollout_spec import PREFIX, RS_OPTIONS, SAFETY_BOUND, TOKEN_RS, make_params, metric_names
+from .._rollout_spec import PREFIX, RS_OPTIONS, SAFETY_BOUND, TOKEN_RS, make_params, metric_names
 from .policy_loss import packed_to_padded_ref
 
 

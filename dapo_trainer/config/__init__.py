@@ -33,11 +33,12 @@ from .rules import model_context_length, validate
 from .verl_keys import VERL_KEYS
 from .schema import (ActorConfig, ActorRolloutRefConfig, AlgorithmConfig, Config, CustomRewardFunctionConfig,
                      DataConfig, DialogueRewardConfig, DynamicTokenLenConfig, EnvironmentConfig, FilterGroupsConfig,
-                     ModelSection, OptimConfig, OverlongBufferConfig, RewardModelConfig, RolloutSection, TrainerConfig,
-                     ValKwargs)
+                     ModelSection, OptimConfig, OverlongBufferConfig, RewardModelConfig, RolloutCorrectionConfig,
+                     RolloutSection, TrainerConfig, ValKwargs)
 
 __all__ = ["Config", "DataConfig", "ModelSection", "ValKwargs", "RolloutSection", "OptimConfig",
            "DynamicTokenLenConfig", "ActorConfig", "ActorRolloutRefConfig", "FilterGroupsConfig", "AlgorithmConfig",
+           "RolloutCorrectionConfig",
            "OverlongBufferConfig", "DialogueRewardConfig", "RewardModelConfig", "EnvironmentConfig",
            "CustomRewardFunctionConfig", "TrainerConfig", "RolloutConfig", "FILTER_METRICS", "RESUME_MODES", "ALIASES",
            "all_keys", "apply_dict", "apply_override", "load_config", "dump_config", "validate", "float_values",

@@ -25,6 +25,9 @@ KeepPreference = Literal["first", "longest", "random"]
 OnExhausted = Literal["error", "short_batch"]  # max_num_gen_batches hit: verl's error | train on fewer groups
 ThresholdSchedule = Literal["constant", "linear", "target_keep_rate"]  # filter_groups.reward_threshold per step
 AdvEstimator = Literal["grpo"]
+# algorithm.rollout_correction (verl 0.9.1): the IS weights' level, and the loss of bypass_mode.
+RolloutIsLevel = Literal["token", "sequence"]
+RolloutLossType = Literal["ppo_clip", "reinforce"]  # reinforce: verl's, refused here (rules)
 Scorer = Literal["relevance", "coherence"]
 Embedder = Literal["minilm", "ngram"]
 OnError = Literal["raise", "drop"]
@@ -50,6 +53,7 @@ DEVICES = choices(Device)
 LOGGERS = choices(Logger)
 
 __all__ = ["LossAggMode", "KlType", "Strategy", "ParamDtype", "Truncation", "FilterMetric", "KeepPreference",
-           "AdvEstimator", "Scorer", "Embedder", "OnError", "ResumeMode", "Device", "Logger", "RolloutName", "ENGINES",
+           "AdvEstimator", "RolloutIsLevel", "RolloutLossType", "Scorer", "Embedder", "OnError", "ResumeMode", "Device",
+           "Logger", "RolloutName", "ENGINES",
            "choices", "SP_LOSS_AGG_MODES", "FILTER_METRICS", "RESUME_MODES", "STRATEGIES", "PARAM_DTYPES", "DEVICES",
            "LOGGERS"]

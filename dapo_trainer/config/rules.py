@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from typing import Callable, List, Optional, Tuple
+
+from dapo_kernels.validation import check_rollout_correction
 
 from .choices import SP_LOSS_AGG_MODES
 from .fields import INT32_MAX, check_fields, require
@@ -20,6 +24,9 @@ ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 DTL = f"{ACTOR}.dynamic_token_len"
 MODEL_PATH = "actor_rollout_ref.model.path"
+RC = "algorithm.rollout_correction"
+# dk.rollout_correction's arguments, each a prefix of its error messages (the longer names first).
+_RC_ARGS = ("rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs_threshold", "rollout_is", "rollout_rs")
 
 
 def rule(fn: Callable[[Config], None]) -> Callable[[Config], None]:
@@ -197,6 +204,47 @@ def overlong_buffer_within_response(cfg: Config) -> None:
     ob, max_len = cfg.reward_model.overlong_buffer, cfg.data.max_response_length
     require(not ob.enable or 0 < ob.len <= max_len, "reward_model.overlong_buffer.len",
             f"must be in [1, data.max_response_length={max_len}], got {ob.len}")
+
+
+@rule
+def rollout_correction_options(cfg: Config) -> None:
+    """``algorithm.rollout_correction`` as ``dk.rollout_correction`` parses it (the threshold of the IS
+    weights also while ``rollout_is`` is null: a later rollout_is=token must not meet a bad value)."""
+    rc = cfg.algorithm.rollout_correction
+    for name in ("rollout_is_threshold", "rollout_rs_threshold"):
+        spec = getattr(rc, name)
+        for part in re.split("[_,]", spec) if isinstance(spec, str) else ():
+            try:
+                value = float(part)
+            except ValueError:
+                continue  # not a number: the op's own message below names it
+            if not math.isfinite(value):
+                raise ValueError(f"config key '{RC}.{name}' must be finite, got {spec!r}")
+    try:
+        check_rollout_correction(rc.rollout_is or "token", rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
+                                 rc.rollout_rs, rc.rollout_rs_threshold)
+    except (ValueError, TypeError) as e:
+        arg = next((a for a in _RC_ARGS if str(e).startswith(a)), "rollout_rs")
+        raise ValueError(f"config key '{RC}.{arg}': {e}") from None
+    require(rc.loss_type == "ppo_clip", f"{RC}.loss_type",
+            "'reinforce' (verl's bypass_mode REINFORCE loss, -w * log_prob * advantage, unclipped) is not "
+            "implemented: dapo_kernels' policy losses are PPO-clip; use 'ppo_clip' (verl's default)")
+
+
+@rule
+def rollout_correction_has_rollout_log_probs(cfg: Config) -> None:
+    # verl: decoupled mode skips the correction without rollout log-probs (silently), bypass_mode raises at the
+    # first step; here both are refused at load.
+    rc, r = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.rollout
+    asked = [f"{RC}.{k}={'true' if v is True else v}" for k, v in (
+        ("rollout_is", rc.rollout_is), ("rollout_rs", rc.rollout_rs), ("bypass_mode", rc.bypass_mode))
+        if v not in (None, False)]
+    require(not asked or r.calculate_log_probs, f"{ROLLOUT}.calculate_log_probs",
+            f"{', '.join(asked)} needs the rollout's log-probs: set {ROLLOUT}.calculate_log_probs=true, got false")
+    sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    require(not rc.bypass_mode or sp == 1, f"{RC}.bypass_mode",
+            f"bypass_mode corrects each micro-batch against the current policy, whose sequences sequence parallelism "
+            f"splits over ranks ({ACTOR}.ulysses_sequence_parallel_size={sp}); use sp 1, or bypass_mode=false")
 
 
 @rule

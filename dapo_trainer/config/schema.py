@@ -13,7 +13,8 @@ from dapo_kernels.validation import CLIP_RATIO_RANGES
 
 from ..rollout.base import EngineSettings, RolloutConfig
 from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, Logger, LossAggMode,
-                      OnError, OnExhausted, ParamDtype, ResumeMode, Scorer, Strategy, ThresholdSchedule, Truncation)
+                      OnError, OnExhausted, ParamDtype, ResumeMode, RolloutIsLevel, RolloutLossType, Scorer, Strategy,
+                      ThresholdSchedule, Truncation)
 from .fields import ANY, INT32_MAX, above, at_least, setting, within
 
 POSITIVE = at_least(1)
@@ -79,6 +80,11 @@ class RolloutSection(EngineSettings):
     temperature: float = setting(1.0, range=above(0, "for training"))
     top_p: float = setting(1.0, range=PROBABILITY)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    # verl's key: hand the engine's per-token log-probs of the sampled tokens (TrainBatch.log_probs, verl's
+    # rollout_log_probs) to the update, which then runs algorithm.rollout_correction (metrics at least; an
+    # old-log-prob forward even on-policy, except bypass_mode). Both engines always report them; false (the
+    # default, verl's RolloutConfig's; its rollout.yaml says true) leaves the update as it was.
+    calculate_log_probs: bool = False
 
     def engine_config(self) -> RolloutConfig:
         """The :class:`RolloutConfig` ``make_rollout`` takes."""
@@ -199,10 +205,34 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: verl 0.9.1's rollout correction (``dk.rollout_correction``),
+    same keys and defaults (its ``rollout_correction.yaml``: everything off). Runs when
+    ``actor_rollout_ref.rollout.calculate_log_probs`` is true, after the old-log-prob pass, on the whole
+    train batch: old vs rollout log-probs over the sampled tokens; IS weights into the loss, rejected
+    tokens out of its mask, ``rollout_corr/*`` metrics. The thresholds' specs are the op's (checked at load
+    by ``dapo_kernels.validation.check_rollout_correction``)."""
+
+    rollout_is: Optional[RolloutIsLevel] = None  # IS weights per token or per sequence; null: none
+    # A number (or numeric string): truncate the weights at it (TIS); "lower_upper": IcePop, zero outside.
+    rollout_is_threshold: Union[str, float] = setting(2.0, range=above(0))
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+    # Comma-separated rejection options: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2 / k3.
+    rollout_rs: Optional[str] = None
+    # One spec for every option or one per option: *_k1 "lower_upper" ratio bounds (u: 1/u_u), others an upper bound.
+    rollout_rs_threshold: Optional[Union[str, float]] = setting(None, range=above(0))
+    # true: no old-log-prob forward; the rollout's log-probs are the old ones (verl's 2-policy mode).
+    bypass_mode: bool = False
+    # bypass_mode's loss: ppo_clip (the ratio to the rollout policy, clipped); verl's reinforce is refused (rules).
+    loss_type: RolloutLossType = "ppo_clip"
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -49,7 +49,8 @@ PHASE_ADVICE = {
     "update_actor": "the policy update dominates: a larger ppo_max_token_len_per_gpu (fewer, fuller micro-batches), "
                     "bfloat16 or fewer ppo_epochs pay most",
     "reward": "the reward function dominates: make it cheaper or run it in a process pool",
-    "old_log_prob": "recomputing old log-probs dominates: one mini-batch per step and one epoch skip it (on-policy)",
+    "old_log_prob": "recomputing old log-probs dominates: one mini-batch per step and one epoch skip it (on-policy, "
+                    "unless rollout.calculate_log_probs), as does algorithm.rollout_correction.bypass_mode",
     "ref": "the reference model dominates: lower kl_loss_coef to 0 and use_kl_loss=false if KL is not needed",
     "update_weights": "pushing weights to the rollout engine dominates",
     "validate": "validation dominates: raise trainer.test_freq or lower data.val_max_samples",

@@ -96,6 +96,15 @@ PANELS = [
         ("response_length/clip_ratio", "responses cut at max length")]),
     ("entropy", "Policy entropy and KL", "nats per token", [("actor/entropy", "entropy"), ("actor/ppo_kl", "ppo_kl"),
                                                   ("actor/kl_loss", "kl_loss")]),
+    # algorithm.rollout_correction (verl's rollout_corr/* names): the rollout vs the training policy, and what the
+    # correction did about it (IS weights, rejected tokens).
+    ("rollout_corr", "Rollout vs training policy", "nats per token", [
+        ("rollout_corr/kl", "kl (training vs rollout)"), ("rollout_corr/k3_kl", "k3 kl"),
+        ("rollout_corr/log_ppl_abs_diff", "|log ppl difference|")]),
+    ("rollout_corr_is", "Rollout correction: IS weights and rejection", "weight or fraction", [
+        ("rollout_corr/rollout_is_mean", "IS weight mean"), ("rollout_corr/rollout_is_max", "IS weight max"),
+        ("rollout_corr/rollout_is_eff_sample_size", "effective sample size"),
+        ("rollout_corr/rollout_rs_masked_fraction", "rejected tokens")]),
     # Multi-turn runs (rollout/multiturn.py's turn_stats, per step over its generation batches).
     ("turns", "Dialogue turns", "assistant turns", [
         ("dialog/turns_per_dialog", "mean turns per dialogue"), ("dialog/max_turns_per_dialog", "max turns")]),

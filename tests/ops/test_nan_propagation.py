@@ -168,6 +168,30 @@ def _spec(case: OpCase, args: Dict, clean: Dict, name: str, idx, where: str) -> 
             hit[cu[s]:cu[s + 1]] = True
         nan = hit & args[case.mask]
         return {"out.rollout_is_weights": (nan, ~hit), "out.response_mask": (None, ~hit)}
+    if n == "moe_experts":
+        # A token's row reaches its own output and input-gradient rows and the weight gradients of the
+        # experts it picks (None: those patterns are not pinned); an expert's weight reaches the tokens
+        # that pick it; a routing weight its token's output and dx rows and its expert's weight gradients
+        # (not its own gradient, dout . y). Everything else is what the clean inputs give.
+        ids = args["topk_ids"]
+        if name == "hidden_states":
+            tok, experts = torch.zeros(ids.shape[0], dtype=torch.bool), ids[idx[0]].unique()
+            tok[idx[0]] = True
+        elif name in ("gate_up_proj", "down_proj"):
+            tok, experts = (ids == idx[0]).any(1), torch.tensor([idx[0]])
+        else:  # topk_weights
+            tok, experts = torch.zeros(ids.shape[0], dtype=torch.bool), ids[idx[0], idx[1]].reshape(1)
+            tok[idx[0]] = True
+        rows = tok[:, None].expand(clean["out"].shape)
+        hit_e = torch.zeros(args["gate_up_proj"].shape[0], dtype=torch.bool)
+        hit_e[experts] = True
+        spec = {"out": (rows, ~rows), "dhidden_states": (None, ~rows),
+                "dgate_up_proj": (None, ~hit_e[:, None, None].expand(clean["dgate_up_proj"].shape)),
+                "ddown_proj": (None, ~hit_e[:, None, None].expand(clean["ddown_proj"].shape)),
+                "dtopk_weights": (None, ~tok[:, None].expand(clean["dtopk_weights"].shape))}
+        if name == "topk_weights":
+            spec["dtopk_weights"] = (mask_of("dtopk_weights"), None)
+        return spec
     if n.startswith("overlong_penalty"):
         hit = only("out", idx)
         return {"out": (hit, ~hit)}

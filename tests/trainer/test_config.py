@@ -188,7 +188,9 @@ def test_float_leaves_found():
     keys = {k for k, _ in FLOAT_LEAVES}
     assert {"actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.rollout.val_kwargs.temperature",
             "actor_rollout_ref.actor.optim.betas[0]", "algorithm.filter_groups.metric.w"} <= keys
-    assert len(keys) == 28  # 20 + the 4 of actor.dynamic_token_len + the 4 of filter_groups (issue 33)
+    # 20 + the 4 of actor.dynamic_token_len + the 4 of filter_groups (issue 33) + the 2 rollout_correction
+    # thresholds (issue 42; a number or a "lower_upper" string)
+    assert len(keys) == 30
 
 
 @pytest.mark.parametrize("bad", [".nan", ".inf", "-.inf", "nan"])

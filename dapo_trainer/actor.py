@@ -14,6 +14,13 @@ old vs the rollout's log-probs over the whole train batch (``[N, R]``, as verl's
 weights and rejection-masked response mask handed to every micro-batch's loss; ``bypass_mode``, no
 old-log-prob pass, the rollout's log-probs are the old ones and each micro-batch is corrected against
 the current policy inside the update (verl's ``compute_policy_loss_bypass_mode``, PPO-clip).
+
+Mixture-of-experts models (Qwen3-MoE): every training forward's routing is traced
+(:class:`~dapo_trainer.router_load.RouterLoad`): the ``actor/moe_*`` load metrics, and the router's
+load-balancing loss, added to each micro-batch's loss times ``actor.router_aux_loss_coef`` (0: off)
+and its share of the mini-batch's tokens over all ranks (so a mini-batch adds the token-weighted mean
+of its micro-batches' losses; each is a micro-batch's own, as Megatron's, so its value depends on how
+the micro-batches are cut). Not under PP (:class:`PipelinedActor` traces nothing).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from dapo_kernels.validation import to_device_checked
 from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, shard_sequence, sp_micro_batches,
                        tp_grad_sync, tp_shard_dims)
 from .records import MicroBatch, MiniBatchPlan, TrainBatch
+from .router_load import RouterLoad
 
 # The loss's per-token fractions (its name: the metric's), summed times tokens over the update.
 _LOSS_FRACTIONS = {"pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
@@ -188,6 +196,7 @@ class Actor:
         one = torch.zeros(1, 1)
         self.bypass_metrics = list(dk.rollout_correction(one, one, one.bool(), **self.correction_options).metrics) \
             if self.bypass else []
+        self.aux_coef = a.router_aux_loss_coef
 
     def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
@@ -220,7 +229,8 @@ class Actor:
                 step = a.ppo_micro_batch_size_per_gpu
                 micro = [mine[i:i + step] for i in range(0, len(mine), step)]
             plan.append(MiniBatchPlan(micro=micro, num_tokens=sum(resp[i] for i in mini), num_seqs=len(mini),
-                                      max_token_len=cap if a.use_dynamic_bsz else None, tokens=sum(lens)))
+                                      max_token_len=cap if a.use_dynamic_bsz else None, tokens=sum(lens),
+                                      all_tokens=sum(seqlens[i] for i in mini)))
         return plan
 
     def pack(self, batch: TrainBatch, rows: List[int]) -> MicroBatch:
@@ -305,6 +315,9 @@ class Actor:
         # the gradient norm are read once per update, to decide whether to apply it.
         names = _SUMS + ((*self.bypass_metrics, _CORRECTED) if self.bypass else ())
         sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in names}
+        cfg, sparse = self.model.config, len(self.model.sparse_blocks())
+        self.router_load = RouterLoad(sparse, cfg.num_experts, cfg.num_experts_per_tok, self.device) \
+            if sparse and self.dims.pp == 1 else None  # PipelinedActor traces nothing
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
         for epoch in range(a.ppo_epochs):
@@ -339,6 +352,9 @@ class Actor:
             out["actor/kl_loss"] = totals["actor/kl_loss"] / n_mini
         if self.bypass:
             out.update({name: totals[name] / max(totals[_CORRECTED], 1.0) for name in self.bypass_metrics})
+        if self.router_load is not None:
+            out.update(self.router_load.metrics(self.dims.grad_group if self.dims.grad_ranks > 1 else None,
+                                                self.dims.comm_device))
         if corrected:  # the step's one read of them, with its other metrics
             out.update(zip(corrected, torch.stack(list(corrected.values())).tolist()))
         out.update(timing)
@@ -392,11 +408,24 @@ class Actor:
             # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
             sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
             with sync:
-                hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
+                with self.model.trace_routing() as traces:  # the forward's only: not checkpointing's recompute
+                    hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
                 loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
+                if self.router_load is not None:
+                    loss = loss + self._router_aux_loss(traces, p)
                 loss.backward()
                 has_kl = has_kl or kl
         return mini_loss, has_kl
+
+    def _router_aux_loss(self, traces, p: MiniBatchPlan) -> torch.Tensor:
+        """The micro-batch's router aux-loss term (module doc; counts its routing in ``self.router_load``):
+        ``coef * aux * T / (the mini-batch's tokens over every rank)``, times the gradient ranks, which
+        average it: the mini-batch adds the token-weighted mean of its micro-batches' (SP: shards') losses."""
+        aux = self.router_load.add(traces)
+        if not self.aux_coef:
+            return aux.new_zeros(())
+        T = traces[0].logits.shape[0]
+        return aux * (self.aux_coef * T * self.dims.grad_ranks / p.all_tokens)
 
     def _reduce_sums(self, sums: Dict[str, torch.Tensor], loss_sum: float):
         """``sums`` on the host (one read), summed over the gradient ranks with ``loss_sum``; the

@@ -12,10 +12,8 @@ from .model import SLIDING, ModelConfig
 
 # model_type -> the transformers causal-LM class its checkpoints name.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# Families read for memory planning only (dapo-tune, the memory model): their config.json gives a
-# ModelConfig, but the trainer builds no model of them (Transformer refuses num_experts > 0).
-PLANNING_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 # The MLP activation each family accepts ("hidden_activation" is Gemma's key).
 _ACTIVATION = {"gemma3_text": "gelu_pytorch_tanh"}
 
@@ -84,6 +82,9 @@ def moe_fields(cfg: dict, source: str) -> dict:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{source}: {key} must be an int >= 1, got {v!r}")
         out[key] = v
+    if out["num_experts_per_tok"] > out["num_experts"]:
+        raise ValueError(f"{source}: num_experts_per_tok ({out['num_experts_per_tok']}) must be <= num_experts "
+                         f"({out['num_experts']})")
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ValueError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")

@@ -4,17 +4,23 @@ Reads the two ``config.json`` dialects found in the wild: the classic ``rope_the
 ``rope_scaling`` (Qwen2.5, Llama 3.x releases) and transformers 5's ``rope_parameters``.
 Writes a single ``model.safetensors`` or, above ``max_shard_size``, numbered shards plus
 ``model.safetensors.index.json`` - the layout transformers and vLLM load.
+
+Qwen3-MoE's experts: the model holds them stacked (``mlp.experts.gate_up_proj [E, 2I, H]``,
+``mlp.experts.down_proj [E, H, I]``: transformers 5's in-memory names), checkpoints per expert
+(``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``: the releases', transformers' save and
+vLLM's load). Loading reads either; saving and :func:`hf_tensors` write per expert.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
-from typing import Callable, Dict, Iterable, Optional
+import re
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from .families import ARCHITECTURES, PLANNING_ARCHITECTURES, family_fields, family_to_hf, hidden_act, supported_act
+from .families import ARCHITECTURES, family_fields, family_to_hf, hidden_act, supported_act
 from .model import FULL, ROPE_TYPES, SLIDING, ModelConfig, Transformer
 from .readers import read_json
 
@@ -71,9 +77,8 @@ def _rope_from_hf(cfg: dict, source: str = "config.json", local: bool = False) -
     return float(theta), (None if kind == "default" else scaling), None if local_theta is None else float(local_theta)
 
 
-def config_from_hf(cfg: dict, source: str = "config.json", *, planning: bool = False) -> ModelConfig:
-    """:class:`ModelConfig` from a parsed ``config.json`` dict (a family of :data:`SUPPORTED_MODEL_TYPES`;
-    with ``planning``, for the memory model only, also of ``families.PLANNING_ARCHITECTURES``: Qwen3-MoE).
+def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
+    """:class:`ModelConfig` from a parsed ``config.json`` dict (a family of :data:`SUPPORTED_MODEL_TYPES`).
 
     Raises ValueError naming ``source`` (the file) and the architecture or field that is unsupported,
     missing or of the wrong type (sizes must be ints >= 1).
@@ -82,16 +87,13 @@ def config_from_hf(cfg: dict, source: str = "config.json", *, planning: bool = F
         raise TypeError(f"cfg must be a dict (parsed config.json), got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    known = {**SUPPORTED_MODEL_TYPES, **PLANNING_ARCHITECTURES} if planning else SUPPORTED_MODEL_TYPES
-    if model_type not in known:
-        planned = (f" (for memory planning only: {sorted(PLANNING_ARCHITECTURES)})"
-                   if model_type in PLANNING_ARCHITECTURES else "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}{planned}")
-    unsupported = [a for a in archs if a != known[model_type]]
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    unsupported = [a for a in archs if a != SUPPORTED_MODEL_TYPES[model_type]]
     if unsupported:
         raise ValueError(f"{source}: architectures {unsupported} are not supported; "
-                         f"expected {known[model_type]!r} for model_type {model_type!r}")
+                         f"expected {SUPPORTED_MODEL_TYPES[model_type]!r} for model_type {model_type!r}")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if cfg.get(k) is None]
     if missing:
@@ -143,7 +145,7 @@ def config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
     out = copy.deepcopy(cfg.hf_config) if cfg.hf_config else {}
     out.pop("rope_parameters", None)
     out.update(
-        architectures=[{**SUPPORTED_MODEL_TYPES, **PLANNING_ARCHITECTURES}[cfg.model_type]],
+        architectures=[SUPPORTED_MODEL_TYPES[cfg.model_type]],
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -170,15 +172,15 @@ def config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
     return out
 
 
-def read_hf_config(path: str, *, planning: bool = False) -> ModelConfig:
-    """:class:`ModelConfig` of the checkpoint directory ``path`` (``planning``: see :func:`config_from_hf`)."""
+def read_hf_config(path: str) -> ModelConfig:
+    """:class:`ModelConfig` of the checkpoint directory ``path``."""
     file = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} has no {CONFIG_NAME}")
     cfg = read_json(file)
     if not isinstance(cfg, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
-    return config_from_hf(cfg, file, planning=planning)
+    return config_from_hf(cfg, file)
 
 
 # --------------------------------------------------------------------------- weights
@@ -189,6 +191,55 @@ def hf_name(name: str) -> str:
 
 def _our_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
+
+
+# A checkpoint's per-expert weight (our name): layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight.
+_EXPERT_PIECE = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def hf_tensors(name: str, t: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` of our parameter ``name``: itself under its HF name, or a stacked
+    experts' weight split per expert (``gate_up_proj [E, 2I, H]``: gate rows first)."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+        yield hf_name(name), t
+        return
+    half = t.shape[1] // 2
+    for e in range(t.shape[0]):
+        if leaf == "down_proj":
+            yield hf_name(f"{prefix}.{e}.down_proj.weight"), t[e]
+        else:
+            yield hf_name(f"{prefix}.{e}.gate_proj.weight"), t[e, :half]
+            yield hf_name(f"{prefix}.{e}.up_proj.weight"), t[e, half:]
+
+
+def _stack_experts(pieces: Dict[str, Dict[Tuple[int, str], object]], expected: dict, wanted: set,
+                   state: Dict[str, torch.Tensor], seen: Dict[str, tuple], unexpected: List[str]) -> List[str]:
+    """Per-expert checkpoint weights (``pieces[stacked name][(expert, part)]``: a tensor if wanted,
+    else its shape) into the stacked parameters, in ``state`` / ``seen``; returns the missing pieces'
+    names and adds pieces of experts beyond ``num_experts`` to ``unexpected``."""
+    missing = []
+    for name, got in pieces.items():
+        if name not in expected:
+            unexpected.extend(hf_name(f"{name.rpartition('.')[0]}.{e}.{part}.weight") for e, part in got)
+            continue
+        E = expected[name].shape[0]
+        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        unexpected.extend(hf_name(f"{name.rpartition('.')[0]}.{e}.{part}.weight") for e, part in got if e >= E)
+        absent = [(e, part) for e in range(E) for part in parts if (e, part) not in got]
+        missing.extend(hf_name(f"{name.rpartition('.')[0]}.{e}.{part}.weight") for e, part in absent)
+        if absent:
+            continue
+        rows = [got[(e, part)] for e in range(E) for part in parts]
+        shapes = {tuple(r.shape) if isinstance(r, torch.Tensor) else r for r in rows}
+        if len(shapes) != 1:
+            raise ValueError(f"checkpoint experts of {hf_name(name)} differ in shape: {sorted(shapes)}")
+        (shape,) = shapes
+        seen[name] = (E, len(parts) * shape[0], *shape[1:])
+        if name in wanted:
+            state[name] = torch.stack([torch.cat([got[(e, p)] for p in parts]) for e in range(E)])
+    return missing
 
 
 def _weight_files(path: str) -> list:
@@ -238,6 +289,7 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
     state: Dict[str, torch.Tensor] = {}
     seen: Dict[str, tuple] = {}  # name -> shape (from the header for the weights not read)
     unexpected = []
+    pieces: Dict[str, Dict[Tuple[int, str], object]] = {}  # stacked experts' name -> per-expert weights
     for file in _weight_files(path):
         full = os.path.join(path, file)
         try:
@@ -245,6 +297,13 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
                 for key in f.keys():
                     name = _our_name(key)
                     if key.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue
+                    piece = _EXPERT_PIECE.match(name)
+                    if piece:
+                        stacked = f"{piece[1]}.{_STACKED[piece[3]]}"
+                        pieces.setdefault(stacked, {})[(int(piece[2]), piece[3])] = (
+                            f.get_tensor(key).to(device=device, dtype=dtype) if stacked in wanted
+                            else tuple(f.get_slice(key).get_shape()))
                         continue
                     if name not in expected:
                         unexpected.append(key)
@@ -256,7 +315,8 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
                         seen[name] = tuple(f.get_slice(key).get_shape())
         except (OSError, _safetensor_error()) as e:
             raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    missing = [hf_name(n) for n in expected if n not in seen]
+    missing = _stack_experts(pieces, expected, wanted, state, seen, unexpected)
+    missing += [hf_name(n) for n in expected if n not in seen and n not in pieces]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing {len(missing)} weight(s): {missing[:8]}"
                          + (" ..." if len(missing) > 8 else ""))
@@ -315,7 +375,7 @@ def save_hf_model(model: Transformer, path: str, *, max_shard_size: Optional[int
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         # safetensors refuses views that share storage; the checkpoint wants plain copies.
-        tensors.append((hf_name(name), t.detach().to("cpu").contiguous().clone()))
+        tensors.extend((key, piece.detach().to("cpu").contiguous().clone()) for key, piece in hf_tensors(name, t))
     write_hf_config(cfg, tensors[0][1].dtype if tensors else None, path)
     shards = list(_chunks(tensors, max_shard_size))
     meta = {"format": "pt"}

@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 families on packed sequences.
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 3 families on packed sequences.
 
 One plain model file in the spirit of gpt-fast: parameter names follow Hugging Face
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ...) so checkpoints map one to one
@@ -11,12 +11,18 @@ a pipeline stage (``layers`` is a ModuleDict keyed by the global layer index, an
 Every activation is packed: ``T`` tokens of ``B`` sequences laid end to end, described
 by ``cu_seqlens [B+1]`` int32 (flash-attn's varlen convention). Nothing is padded, so
 no FLOP is spent on padding tokens.
+
+Qwen3-MoE's sparse layers (:class:`SparseMoeBlock`) run ``dapo_kernels``' MoE op (``dk.moe_route``,
+``dk.moe_experts``: routing, expert-contiguous permutation and grouped GEMMs on the device); their
+routing is observable (:meth:`Transformer.trace_routing`: :class:`RouterTrace` records, for the aux
+loss and the load metrics) and replayable (:meth:`Transformer.replay_routing`: router replay).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +60,7 @@ class ModelConfig:
     ``sliding_window`` positions, itself included; None: all) on the layers ``layer_types`` marks
     ``"sliding_attention"`` (None: all layers), whose RoPE base is ``rope_local_theta`` (unscaled;
     None: the global rope). The embedding row ``pad_token_id`` gets no gradient (transformers' ``padding_idx``).
-    Mixture of experts (Qwen3-MoE; ``num_experts > 0``): the shape :mod:`dapo_trainer.memory_model` and
-    ``dapo-tune`` plan with -- :class:`Transformer` does not build these layers yet. Layer ``i`` is sparse
+    Mixture of experts (Qwen3-MoE; ``num_experts > 0``, :class:`SparseMoeBlock`): layer ``i`` is sparse
     (:meth:`is_moe`) unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``: a router
     ``[num_experts, H]`` picks ``num_experts_per_tok`` experts per token, each a gated MLP of
     ``moe_intermediate_size`` units (``norm_topk_prob``: the picked weights renormalised to sum 1).
@@ -310,6 +315,66 @@ class MLP(nn.Module):
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
+class MoEExperts(nn.Module):
+    """``num_experts`` SwiGLU MLPs stacked as transformers' ``Qwen3MoeExperts`` holds them in memory:
+    ``gate_up_proj [E, 2 moe_I, H]`` (gate rows first) and ``down_proj [E, H, moe_I]`` (checkpoints
+    store them per expert; :mod:`dapo_trainer.hf_io` converts)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x, topk_weights, topk_ids):
+        return dk.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+@dataclass
+class RouterTrace:
+    """One sparse layer's routing in one forward (:meth:`Transformer.trace_routing`)."""
+    layer: int  # the decoder layer's global index
+    logits: torch.Tensor  # [T, E] the router's logits, in the autograd graph (for the aux loss)
+    topk_ids: torch.Tensor  # [T, k] int64, the experts each token ran through (replayed ones included)
+
+
+def replayed_weights(logits: torch.Tensor, topk_ids: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """``dk.moe_route``'s weights for given experts ``topk_ids [T, k]``: their float32 softmax
+    probabilities (renormalised to sum 1 if ``norm_topk_prob``), in ``logits``' dtype."""
+    top = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, topk_ids)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse MLP (transformers' ``Qwen3MoeSparseMoeBlock``): the router ``gate`` ``[E, H]``
+    picks ``num_experts_per_tok`` experts per token (``dk.moe_route``), whose outputs are summed with
+    the routing weights (``dk.moe_experts``). ``replay`` (``[T, k]`` expert ids, or None) replaces the
+    top-k choice (router replay: the weights stay the router's probabilities of those experts)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.layer, self.top_k, self.norm_topk_prob = layer, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = MoEExperts(cfg)
+        self.replay: Optional[torch.Tensor] = None
+        self.sink: Optional[List[RouterTrace]] = None  # set by Transformer.trace_routing
+
+    def forward(self, x):
+        logits = self.gate(x)
+        if self.replay is None:
+            weights, ids = dk.moe_route(logits, self.top_k, self.norm_topk_prob)
+        else:
+            check_tensor(f"layer {self.layer}'s replayed expert ids", self.replay, dtypes=INT_DTYPES,
+                         device=x.device, shape=(x.shape[0], self.top_k))
+            ids = self.replay.long()
+            weights = replayed_weights(logits, ids, self.norm_topk_prob)
+        if self.sink is not None:
+            self.sink.append(RouterTrace(self.layer, logits, ids))
+        return self.experts(x, weights, ids)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block; with ``sandwich_norms`` (Gemma) ``post_attention_layernorm`` normalises the
     attention output and ``pre_`` / ``post_feedforward_layernorm`` wrap the MLP."""
@@ -320,7 +385,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps, offset)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(H, eps, offset)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(H, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(H, eps, offset)
@@ -369,9 +434,6 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.num_experts:
-            raise ValueError(f"{cfg.model_type}: mixture-of-experts layers (num_experts={cfg.num_experts}) are not "
-                             "built by this trainer yet; its config serves memory planning (dapo-tune) only")
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
@@ -392,7 +454,40 @@ class Transformer(nn.Module):
                     m.bias.zero_()
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(0.0 if m.unit_offset else 1.0)
+            elif isinstance(m, MoEExperts):
+                m.gate_up_proj.normal_(0.0, std)
+                m.down_proj.normal_(0.0, std)
         return self
+
+    def sparse_blocks(self) -> List[SparseMoeBlock]:
+        """The mixture-of-experts MLPs of the layers held, in layer order (none for a dense family)."""
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, SparseMoeBlock)]
+
+    @contextmanager
+    def trace_routing(self) -> Iterator[List[RouterTrace]]:
+        """Within the block, each sparse layer's forward appends its :class:`RouterTrace` to the list
+        yielded (layer order per forward). Forwards outside it -- activation checkpointing's recompute
+        in the backward among them -- record nothing."""
+        traces: List[RouterTrace] = []
+        blocks = self.sparse_blocks()
+        for b in blocks:
+            b.sink = traces
+        try:
+            yield traces
+        finally:
+            for b in blocks:
+                b.sink = None
+
+    def replay_routing(self, topk_ids: Optional[Sequence[torch.Tensor]]) -> None:
+        """Route every following forward by ``topk_ids`` (one ``[T, k]`` per sparse layer held, in
+        layer order: the tokens' recorded experts) until called with None. Kept through the backward,
+        so that activation checkpointing recomputes the same routing."""
+        blocks = self.sparse_blocks()
+        if topk_ids is not None and len(topk_ids) != len(blocks):
+            raise ValueError(f"replay_routing: got expert ids for {len(topk_ids)} layers, the model holds "
+                             f"{len(blocks)} sparse layers")
+        for i, b in enumerate(blocks):
+            b.replay = None if topk_ids is None else topk_ids[i]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, H]`` (Gemma: times ``sqrt(hidden_size)`` rounded to their dtype)."""

@@ -124,6 +124,7 @@ class MiniBatchPlan:
     max_token_len: Optional[int]  # the micro-batch token cap (actor.use_dynamic_bsz), else None
     tokens: int  # this rank's tokens in its micro-batches
     shape: Optional[int] = None  # pipeline parallel: the static token count of the pipe
+    all_tokens: int = 0  # tokens (prompt + response) of the whole mini-batch (every rank's)
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = setting(0.001, range=at_least(0))
     kl_loss_type: KlType = "low_var_kl"
+    # Mixture-of-experts models: weight of the router's load-balancing loss (transformers' name; its
+    # config.json value is for pretraining, RL leaves it off). Logged as actor/moe_aux_loss either way.
+    router_aux_loss_coef: float = setting(0.0, range=at_least(0))
     grad_clip: float = setting(1.0, range=above(0))
     optim: OptimConfig = field(default_factory=OptimConfig)
 

@@ -66,9 +66,9 @@ _KL_IN_REWARD = "used only with algorithm.use_kl_in_reward=true, which is not im
 _TOP_K = ("-1 or 0 (top-k sampling is not implemented)", "no top-k cut: sampling uses temperature and top_p only")
 
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
-# Mixture-of-experts keys (verl's Qwen3-MoE recipes): the trainer builds dense models only.
-_NO_MOE = ("the trainer builds dense models only (Qwen3-MoE checkpoints are refused at load; dapo-tune plans "
-           "their memory)")
+# Mixture-of-experts keys (verl's Qwen3-MoE recipes): experts are not split over ranks here.
+_NO_EP = ("experts are not split over ranks: each rank holds every expert of its layers (FSDP2 shards them as "
+          "any weight; TP replicates sparse layers)")
 
 VERL_KEYS: Dict[str, VerlKey] = {
     # data
@@ -124,11 +124,10 @@ VERL_KEYS: Dict[str, VerlKey] = {
     f"{R}.max_num_batched_tokens": VerlKey(_int(1), "an int >= 1", _VLLM_DEFAULT),
     f"{R}.max_num_seqs": VerlKey(_int(1), "an int >= 1", _VLLM_DEFAULT),
     # mixture of experts
-    f"{A}.router_replay.mode": VerlKey(_is("disabled"), "'disabled' (router replay, R2 / R3, is not implemented: "
-                                       "it needs mixture-of-experts layers)",
-                                       f"routing decisions are neither recorded nor replayed: {_NO_MOE}"),
-    **{k: VerlKey(_is(1), "1 (expert parallelism is not implemented: no mixture-of-experts layers here)",
-                  f"no expert parallelism: {_NO_MOE}")
+    f"{A}.router_replay.mode": VerlKey(_is("disabled"), "'disabled' (router replay, R2 / R3, is not implemented "
+                                       "in the trainer yet)",
+                                       "each training forward routes by its own router (top-k)"),
+    **{k: VerlKey(_is(1), "1 (expert parallelism is not implemented)", f"no expert parallelism: {_NO_EP}")
        for k in (f"{A}.megatron.expert_model_parallel_size", f"{REF}.megatron.expert_model_parallel_size",
                  f"{R}.expert_parallel_size")},
     # algorithm

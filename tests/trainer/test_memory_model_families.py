@@ -1,6 +1,6 @@
 """The memory model and dapo-tune on the Qwen3 families: the parameter counts equal transformers' models
 (dense Qwen3 and Qwen3-MoE, built offline at tiny sizes), an MoE layer's activations follow the active
-experts only, the Qwen3-8B / Qwen3-30B-A3B entries of the presets, and the trainer's refusal to build MoE."""
+experts only, and the Qwen3-8B / Qwen3-30B-A3B entries of the presets."""
 import json
 import os
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dapo_trainer
-from dapo_trainer.hf_io import config_from_hf, config_to_hf, load_hf_model, read_hf_config
+from dapo_trainer.hf_io import config_from_hf, config_to_hf, read_hf_config
 from dapo_trainer.memory_model import (DTYPE_BYTES, Parallel, activation_bytes_per_token, layer_activation_bytes,
                                        stage_memory, stage_params, train_memory)
 from dapo_trainer.model import ModelConfig, Transformer
@@ -52,9 +52,9 @@ def test_moe_count_equals_transformers(layout):
     """Router (E x H) and every expert (E x 3 H moe_I) of each sparse layer, the dense MLP (3 H I) of the
     others: ModelConfig.num_params == sum(p.numel()) of transformers' Qwen3MoeForCausalLM, layer by layer."""
     hf, d = _hf("Qwen3Moe", **MOE, **layout)
-    cfg = config_from_hf(d, planning=True)
+    cfg = config_from_hf(d)
     assert cfg.num_experts == 6 and cfg.num_experts_per_tok == 2 and cfg.norm_topk_prob
-    assert cfg.num_params() == _numel(hf)
+    assert cfg.num_params() == _numel(hf) == _numel(Transformer(cfg))
     for i in range(cfg.num_layers):
         assert cfg.layer_params(i) == _numel(hf, f"model.layers.{i}."), i
         assert cfg.is_moe(i) == (type(hf.model.layers[i].mlp).__name__ == "Qwen3MoeSparseMoeBlock"), i
@@ -64,14 +64,14 @@ def test_moe_count_equals_transformers(layout):
         outer = (cfg.vocab_size * cfg.hidden_size if rank == 0 else 0) + \
             (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size if rank == 1 else 0)
         assert stage_params(cfg, 2, rank) == layers + outer
-    assert config_from_hf(config_to_hf(cfg), planning=True) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
 def test_moe_states_count_every_expert_activations_the_active_ones():
     """Weights, gradients and Adam states grow with the experts; activations with the active experts
     only (per token: k copies of 2 H + 4 moe_I, and the router's fp32 softmax 4 E bytes)."""
     _, d = _hf("Qwen3Moe", **MOE)
-    cfg = config_from_hf(d, planning=True)
+    cfg = config_from_hf(d)
     more = ModelConfig(**{**cfg.__dict__, "num_experts": 60, "hf_config": None})
     busier = ModelConfig(**{**cfg.__dict__, "num_experts_per_tok": 4, "hf_config": None})
     b = DTYPE_BYTES["bfloat16"]
@@ -85,7 +85,7 @@ def test_moe_states_count_every_expert_activations_the_active_ones():
     assert layer_activation_bytes(dense, 0, b) - layer_activation_bytes(cfg, 0, b) == \
         4 * cfg.intermediate_size * b - 2 * (2 * H + 4 * I) * b - 4 * 6
     # Interleaved pipeline chunks hold the dense layer 1 on rank 1: its activations are the smaller ones.
-    mixed = config_from_hf({**d, "mlp_only_layers": [1, 3]}, planning=True)
+    mixed = config_from_hf({**d, "mlp_only_layers": [1, 3]})
     acts = activation_bytes_per_token(mixed, b, False)["layers"]
     assert acts[0] == acts[2] != acts[1] == acts[3]
     s0, s1 = (stage_memory(mixed, 512, r, par=Parallel(pp=2, vpp=2), micro_batches=4) for r in range(2))
@@ -98,7 +98,7 @@ def test_preset_model_entries():
     dense = read_hf_config(os.path.join(PRESETS, "models", "qwen3-8b"))
     assert (dense.model_type, dense.qk_norm, dense.tie_word_embeddings, dense.head_dim) == ("qwen3", True, False, 128)
     assert dense.num_params() == 8_190_735_360
-    moe = read_hf_config(os.path.join(PRESETS, "models", "qwen3-30b-a3b"), planning=True)
+    moe = read_hf_config(os.path.join(PRESETS, "models", "qwen3-30b-a3b"))
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == \
         (128, 8, 768, True)
     assert moe.num_params() == 30_532_122_624
@@ -108,23 +108,14 @@ def test_preset_model_entries():
 
 
 def test_tune_plans_qwen3_moe_and_refuses_what_does_not_fit(tmp_path):
-    """dapo-tune reads the Qwen3-MoE config (memory planning only, said in the reason); 30.53B parameters
+    """dapo-tune reads the Qwen3-MoE config (experts said in the reason); 30.53B parameters
     with the sampler replica do not fit 8 x 80 GB; a 4-layer tiny MoE plans on the CPU."""
     with pytest.raises(ValueError, match=r"30\.53B parameters need 85\.3 GiB per device"):
         tune.tune("math", "8xH100", os.path.join(PRESETS, "models", "qwen3-30b-a3b"))
     _, d = _hf("Qwen3Moe", **MOE)
     (tmp_path / "config.json").write_text(json.dumps(d))
     v = {k: (x, why) for k, x, why in tune.tune("math", "cpu", str(tmp_path))}
-    assert "6 experts, 2 active, planned for memory only" in v["trainer.device"][1]
+    assert "6 experts, 2 active per token" in v["trainer.device"][1]
     v = {k: x for k, x, _ in tune.tune("math", "8xH100", os.path.join(PRESETS, "models", "qwen3-8b"))}
     assert v["actor_rollout_ref.actor.strategy"] == "fsdp2"
 
-
-def test_trainer_refuses_to_build_moe(tmp_path):
-    """Only planning reads Qwen3-MoE: loading the checkpoint (a run) and building the model refuse it by name."""
-    _, d = _hf("Qwen3Moe", **MOE)
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_moe' .* not supported; .*for memory planning only"):
-        load_hf_model(str(tmp_path))
-    with pytest.raises(ValueError, match="mixture-of-experts layers .* are not built by this trainer yet"):
-        Transformer(read_hf_config(str(tmp_path), planning=True))

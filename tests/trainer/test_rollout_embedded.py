@@ -39,6 +39,9 @@ FAMILIES = {
                    sandwich_norms=True, query_pre_attn_scalar=24, sliding_window=4, layer_types=(SLIDING, FULL),
                    rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True, model_type="gemma3_text"),
     "softcap": dict(attn_logit_softcapping=0.5, sliding_window=4),
+    # Layer 0 sparse (6 experts, top-2, renormalised), layer 1 dense (mlp_only_layers).
+    "qwen3-moe": dict(qk_norm=True, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=(1,), model_type="qwen3_moe"),
 }
 
 

@@ -21,6 +21,9 @@ load-balancing loss, added to each micro-batch's loss times ``actor.router_aux_l
 and its share of the mini-batch's tokens over all ranks (so a mini-batch adds the token-weighted mean
 of its micro-batches' losses; each is a micro-batch's own, as Megatron's, so its value depends on how
 the micro-batches are cut). Not under PP (:class:`PipelinedActor` traces nothing).
+Router replay R2 (``actor.router_replay.mode``, verl's): the old-log-prob forward records each
+micro-batch's routing (``MicroBatch.routed_experts``) and every training forward of that micro-batch
+routes by it (``Transformer.replay_routing``, held through the backward's recompute).
 """
 from __future__ import annotations
 
@@ -197,6 +200,10 @@ class Actor:
         self.bypass_metrics = list(dk.rollout_correction(one, one, one.bool(), **self.correction_options).metrics) \
             if self.bypass else []
         self.aux_coef = a.router_aux_loss_coef
+        self.replay_r2 = a.router_replay.mode == "R2"
+        if self.replay_r2 and not model.sparse_blocks():
+            raise ValueError(f"config key 'actor_rollout_ref.actor.router_replay.mode': 'R2' replays a mixture-of-"
+                             f"experts model's routing; model_type {model.config.model_type!r} has no sparse layer")
 
     def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
@@ -243,9 +250,19 @@ class Actor:
 
     def _with_log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]],
                         field: str) -> List[List[MicroBatch]]:
-        """``packed`` with ``field`` (``old_log_prob`` / ``ref_log_prob``) set to ``model``'s log-probs."""
+        """``packed`` with ``field`` (``old_log_prob`` / ``ref_log_prob``) set to ``model``'s log-probs
+        (router replay R2: the old ones with the routing of their forward)."""
+        if field == "old_log_prob" and self.replay_r2:
+            return [[self._old_with_routing(mb) for mb in mbs] for mbs in packed]
         lps = self.log_probs(model, plan, packed)
         return [[replace(mb, **{field: lp}) for mb, lp in zip(mbs, row)] for mbs, row in zip(packed, lps)]
+
+    @torch.no_grad()
+    def _old_with_routing(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` with the policy's log-probs as ``old_log_prob`` and their forward's expert choices."""
+        with self.model.trace_routing() as traces:
+            lp = masked_log_probs(self.model, mb, self.temperature)
+        return replace(mb, old_log_prob=lp, routed_experts=tuple(t.topk_ids for t in traces))
 
     def _correct(self, batch: TrainBatch, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]):
         """verl's decoupled rollout correction: ``dk.rollout_correction`` of the old log-probs (``packed``'s)
@@ -408,12 +425,18 @@ class Actor:
             # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
             sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
             with sync:
-                with self.model.trace_routing() as traces:  # the forward's only: not checkpointing's recompute
-                    hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
-                loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
-                if self.router_load is not None:
-                    loss = loss + self._router_aux_loss(traces, p)
-                loss.backward()
+                if mb.routed_experts is not None:  # R2; kept through the backward (checkpointing recomputes)
+                    self.model.replay_routing(mb.routed_experts)
+                try:
+                    with self.model.trace_routing() as traces:  # the forward's only: not the recompute
+                        hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
+                    loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
+                    if self.router_load is not None:
+                        loss = loss + self._router_aux_loss(traces, p)
+                    loss.backward()
+                finally:
+                    if mb.routed_experts is not None:
+                        self.model.replay_routing(None)
                 has_kl = has_kl or kl
         return mini_loss, has_kl
 

@@ -11,7 +11,7 @@ The per-response fields keep :class:`Responses`' names end to end; the accumulat
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -148,6 +148,8 @@ class MicroBatch:
     ref_log_prob: Optional[torch.Tensor] = None  # [T], the reference model's (KL loss)
     response_index: Optional[torch.Tensor] = None  # [len(mask_index)] int64, see above
     rollout_is_weights: Optional[torch.Tensor] = None  # [T], algorithm.rollout_correction's IS weights
+    # Router replay R2: per sparse layer, the [T, k] experts the old-log-prob forward routed each token to.
+    routed_experts: Optional[Tuple[torch.Tensor, ...]] = None
 
     @classmethod
     def empty(cls, device: torch.device) -> "MicroBatch":

@@ -248,6 +248,17 @@ def rollout_correction_has_rollout_log_probs(cfg: Config) -> None:
 
 
 @rule
+def router_replay_supported(cfg: Config) -> None:
+    a, key = cfg.actor_rollout_ref.actor, f"{ACTOR}.router_replay.mode"
+    mode = a.router_replay.mode
+    require(mode != "R3", key, "'R3' (replaying the rollout's routing) is not implemented: the sampler's expert "
+            "choices do not reach the train batch yet; use 'R2' (the old-log-prob forward's) or 'disabled'")
+    require(mode == "disabled" or a.pipeline_model_parallel_size == 1, key,
+            f"{mode!r} with pipeline parallelism ({ACTOR}.pipeline_model_parallel_size="
+            f"{a.pipeline_model_parallel_size}) is not supported: its stages record no routing")
+
+
+@rule
 def resume_path_given(cfg: Config) -> None:
     t = cfg.trainer
     require(t.resume_mode != "resume_path" or bool(t.resume_from_path), "trainer.resume_from_path",

@@ -13,7 +13,8 @@ from dapo_kernels.validation import CLIP_RATIO_RANGES
 
 from ..rollout.base import EngineSettings, RolloutConfig
 from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, Logger, LossAggMode,
-                      OnError, OnExhausted, ParamDtype, ResumeMode, RolloutIsLevel, RolloutLossType, Scorer, Strategy,
+                      OnError, OnExhausted, ParamDtype, ResumeMode, RolloutIsLevel, RolloutLossType, RouterReplayMode,
+                      Scorer, Strategy,
                       ThresholdSchedule, Truncation)
 from .fields import ANY, INT32_MAX, above, at_least, setting, within
 
@@ -124,6 +125,15 @@ class DynamicTokenLenConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """``actor_rollout_ref.actor.router_replay.*`` (verl's): mixture-of-experts routing reused in training.
+    ``R2``: each training forward routes its tokens as the old-log-prob forward did (recorded there);
+    ``R3`` (the rollout's routing) is refused: the sampler's routing does not reach the train batch yet."""
+
+    mode: RouterReplayMode = "disabled"
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy update."""
 
@@ -157,6 +167,7 @@ class ActorConfig:
     # Mixture-of-experts models: weight of the router's load-balancing loss (transformers' name; its
     # config.json value is for pretraining, RL leaves it off). Logged as actor/moe_aux_loss either way.
     router_aux_loss_coef: float = setting(0.0, range=at_least(0))
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     grad_clip: float = setting(1.0, range=above(0))
     optim: OptimConfig = field(default_factory=OptimConfig)
 

@@ -172,3 +172,58 @@ def test_release_and_transformers5_dialects_agree(checkpoint):
     assert "num_local_experts" in d
     d["num_experts"] = d.pop("num_local_experts")
     assert config_from_hf(d) == cfg and cfg.num_experts == 6 and [cfg.is_moe(i) for i in range(3)] == [1, 0, 1]
+
+
+def test_r2_replays_the_old_log_prob_forwards_routing(tmp_path, monkeypatch):
+    """router_replay.mode=R2, two epochs (off-policy: an old-log-prob pass runs): every training forward
+    (grad enabled) routes each sparse layer by the expert ids the old-log-prob forward (no grad) chose for
+    the same micro-batch; without R2 no forward replays."""
+    from dapo_trainer.model import SparseMoeBlock
+
+    calls = []  # (grad enabled, layer, replayed ids or None, the router's own top-k ids)
+    forward = SparseMoeBlock.forward
+
+    def spy(self, x):
+        own = dk.moe_route(self.gate(x).detach(), self.top_k, self.norm_topk_prob)[1]
+        calls.append((torch.is_grad_enabled(), self.layer, self.replay, own))
+        return forward(self, x)
+
+    monkeypatch.setattr(SparseMoeBlock, "forward", spy)
+    family = dict(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, norm_topk_prob=True)
+    replayed = {}
+    for mode in ("disabled", "R2"):
+        root = os.path.join(tmp_path, mode)
+        overrides = micro_setup(root) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
+                                         "data.val_files=[]", "actor_rollout_ref.actor.ppo_epochs=2",
+                                         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                                         f"actor_rollout_ref.actor.router_replay.mode={mode}"]
+        write_tiny_model(os.path.join(root, "model"), layers=2, **family)
+        trainer = DAPOTrainer(load_config(overrides=overrides))
+        calls.clear()
+        trainer.fit()
+        training = [c for c in calls if c[0]]
+        assert training, "no training forward seen"
+        replayed[mode] = [c for c in training if c[2] is not None]
+        if mode == "R2":
+            # The old-log-prob forwards: no grad, after sampling; their own choices per layer, in order.
+            recorded = {}
+            for grad, layer, replay, own in calls:
+                if not grad and replay is None:
+                    recorded.setdefault(layer, []).append(own)
+            for grad, layer, replay, own in training:
+                assert replay is not None, "a training forward routed by its own router under R2"
+                assert any(r.shape == replay.shape and torch.equal(r, replay) for r in recorded[layer]), layer
+    assert not replayed["disabled"] and len(replayed["R2"]) >= 2 * 2  # 2 sparse layers, 2 epochs
+
+
+def test_router_replay_refusals(tmp_path):
+    """R3 and R2 under PP are refused at load naming the key; R2 on a dense model at start-up."""
+    base = micro_setup(str(tmp_path))
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    with pytest.raises(ValueError, match=f"{key}.*'R3' .* is not implemented"):
+        load_config(overrides=base + [f"{key}=R3"])
+    with pytest.raises(ValueError, match=f"{key}.*pipeline parallelism"):
+        load_config(overrides=base + [f"{key}=R2", "actor_rollout_ref.actor.pipeline_model_parallel_size=2"])
+    with pytest.raises(ValueError, match=f"{key}.*model_type 'llama' has no sparse layer"):
+        DAPOTrainer(load_config(overrides=base + [f"{key}=R2"]))

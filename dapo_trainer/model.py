@@ -351,7 +351,8 @@ class SparseMoeBlock(nn.Module):
     """Qwen3-MoE's sparse MLP (transformers' ``Qwen3MoeSparseMoeBlock``): the router ``gate`` ``[E, H]``
     picks ``num_experts_per_tok`` experts per token (``dk.moe_route``), whose outputs are summed with
     the routing weights (``dk.moe_experts``). ``replay`` (``[T, k]`` expert ids, or None) replaces the
-    top-k choice (router replay: the weights stay the router's probabilities of those experts)."""
+    top-k choice (router replay: the weights stay the router's probabilities of those experts); a row
+    holding a negative id keeps the router's own choice (a token whose routing was not recorded)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -363,12 +364,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         logits = self.gate(x)
-        if self.replay is None:
-            weights, ids = dk.moe_route(logits, self.top_k, self.norm_topk_prob)
-        else:
+        weights, ids = dk.moe_route(logits, self.top_k, self.norm_topk_prob)
+        if self.replay is not None:
             check_tensor(f"layer {self.layer}'s replayed expert ids", self.replay, dtypes=INT_DTYPES,
                          device=x.device, shape=(x.shape[0], self.top_k))
-            ids = self.replay.long()
+            ids = torch.where((self.replay < 0).any(1, keepdim=True), ids, self.replay.long())
             weights = replayed_weights(logits, ids, self.norm_topk_prob)
         if self.sink is not None:
             self.sink.append(RouterTrace(self.layer, logits, ids))

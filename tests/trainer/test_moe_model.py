@@ -227,3 +227,18 @@ def test_router_replay_refusals(tmp_path):
         load_config(overrides=base + [f"{key}=R2", "actor_rollout_ref.actor.pipeline_model_parallel_size=2"])
     with pytest.raises(ValueError, match=f"{key}.*model_type 'llama' has no sparse layer"):
         DAPOTrainer(load_config(overrides=base + [f"{key}=R2"]))
+
+
+def test_vllm_sync_names_are_the_checkpoints(checkpoint):
+    """hf_weights (the vLLM sync's stream) yields the names and tensors transformers' save_pretrained
+    wrote: experts per expert, gate / up split from the stacked weight."""
+    from safetensors import safe_open
+
+    from dapo_trainer.rollout.vllm_engine import hf_weights
+
+    _, path = checkpoint
+    ours = dict(hf_weights(load_hf_model(path)))
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        theirs = {k: f.get_tensor(k) for k in f.keys()}
+    assert ours.keys() == theirs.keys() and "model.layers.0.mlp.experts.5.up_proj.weight" in ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

@@ -1,4 +1,4 @@
-"""vLLM weight sync for every family the trainer loads (Qwen3, Mistral, Gemma 3; Llama / Qwen2 are
+"""vLLM weight sync for every family the trainer loads (Qwen3, Qwen3-MoE, Mistral, Gemma 3; Llama / Qwen2 are
 test_rollout_vllm.py's): vLLM receives the trainer's weights under each family's HF names (Qwen3's and
 Gemma 3's q_norm / k_norm, Gemma 3's sandwich norms and tied embeddings, Mistral's sliding window), and after
 an update and a sync the engine's log-probs are the trainer's recomputation -- through the in-memory sync
@@ -37,6 +37,9 @@ FAMILIES = {
     "gemma3": dict(qk_norm=True, norm_unit_offset=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
                    sandwich_norms=True, query_pre_attn_scalar=48, sliding_window=8, layer_types=(SLIDING, FULL),
                    rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True, model_type="gemma3_text"),
+    # Sparse layer 0 (4 experts, top-2), dense layer 1: the experts go per expert, as vLLM loads them.
+    "qwen3-moe": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, mlp_only_layers=(1,), model_type="qwen3_moe"),
 }
 
 

@@ -4,7 +4,8 @@ adaptive sampling's generation batch (:func:`dapo_trainer.adaptive_sampling.gen_
 :func:`train_memory` counts, for one rank of the update (bytes):
 
 * ``params``, ``grads``: the parameters and their gradients in the training dtype, divided over
-  TP ranks and, under FSDP, over the FSDP ranks; a mixture-of-experts layer counts its router
+  TP ranks (but the sparse MLPs, which TP keeps whole: ``ModelConfig.moe_params``) and, under FSDP,
+  over the FSDP ranks; a mixture-of-experts layer counts its router
   (E x H) and all E experts (E x 3 H moe_I: ``ModelConfig.layer_params``), whichever tokens they see;
 * ``optimizer``: AdamW's two moments in the parameter dtype (torch keeps them so);
 * ``optimizer_step``: the AdamW step's temporaries: one parameter-sized tensor list with the
@@ -21,7 +22,8 @@ adaptive sampling's generation batch (:func:`dapo_trainer.adaptive_sampling.gen_
   keeps, instead of the dense 4 I, the router's fp32 softmax (4 E bytes per token, E = num_experts)
   and for each of the token's k = num_experts_per_tok routed copies its permuted input, the
   expert's gate, up, silu(gate), product and down-projection output (2 H + 4 moe_I: the output is
-  kept for the routing weights' gradient): only the active experts' tokens, never E x tokens. With activation
+  kept for the routing weights' gradient): only the active experts' tokens, never E x tokens; Qwen2-MoE's
+  shared expert adds a dense MLP's 4 shared_I. With activation
   checkpointing a layer keeps only its input (H), and one layer is recomputed at a time in the
   backward; activation offload moves the kept inputs to host memory;
 * ``backward``: the gradient of the residual stream entering the backward (2 H per token);
@@ -84,7 +86,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, dtype_bytes: int) -> fl
     attn = (6 * H + 4 * H * cfg.sandwich_norms + (2 + 2 * cfg.qk_norm) * (q + kv)) * dtype_bytes
     if cfg.is_moe(layer):
         return attn + cfg.num_experts_per_tok * (2 * H + 4 * cfg.moe_intermediate_size) * dtype_bytes \
-            + 4 * cfg.num_experts
+            + 4 * cfg.num_experts + 4 * cfg.shared_expert_intermediate_size * dtype_bytes
     return attn + 4 * I * dtype_bytes
 
 
@@ -114,10 +116,15 @@ def stage_params(cfg: ModelConfig, pp: int = 1, rank: int = 0) -> int:
     if pp == 1:
         return cfg.num_params()
     H, E = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
-    per = cfg.num_layers // pp
-    layers = sum(cfg.layer_params(i) for i in range(rank * per, (rank + 1) * per))
+    layers = sum(cfg.layer_params(i) for i in _stage_layers(cfg, pp, rank))
     # Under PP the last rank holds lm_head, or with tied embeddings a copy of the embedding.
     return layers + (E if rank == 0 else 0) + (H + E if rank == pp - 1 else 0)
+
+
+def _stage_layers(cfg: ModelConfig, pp: int, rank: int) -> range:
+    """The decoder layers of pipeline rank ``rank``'s contiguous share (for parameter counts)."""
+    per = cfg.num_layers // pp
+    return range(rank * per, (rank + 1) * per)
 
 
 def _rank_layers(num_layers: int, pp: int, vpp: int, rank: int) -> list:
@@ -143,7 +150,8 @@ def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "
                          "every pipeline stage needs a micro-batch")
     b = DTYPE_BYTES[dtype]
     first, last = rank == 0, rank == pp - 1
-    P = stage_params(cfg, pp, rank) / (par.tp * par.fsdp)
+    whole = sum(cfg.moe_params(i) for i in _stage_layers(cfg, pp, rank))  # sparse MLPs: not split by TP
+    P = (stage_params(cfg, pp, rank) - whole) / (par.tp * par.fsdp) + whole / par.fsdp
     t = -(-tokens // par.sp)  # tokens this rank holds
     V, H = cfg.vocab_size / par.tp, cfg.hidden_size
     layers = cfg.num_layers // pp
@@ -158,11 +166,12 @@ def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "
     activations += (tokens - t) * 2 * cfg.head_dim * rope_tables(cfg) * b  # SP: the other ranks' rows of cos / sin
     rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
     experts = 2 * cfg.num_experts * cfg.moe_intermediate_size * H if cfg.num_experts else 0  # stacked gate / up
-    largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp, experts / par.tp) / par.fsdp
+    largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp, experts) / par.fsdp
     # FSDP2's unsharded units on this rank: its stage's root (embedding / norm + lm_head) and two layers.
     root = (V * H if first else 0) + (V * H + H if last else 0) - (V * H if first and last and cfg.tie_word_embeddings
                                                                    else 0)
-    layer = max(cfg.layer_params(i) for i in range(cfg.num_layers)) / par.tp
+    layer = max((cfg.layer_params(i) - cfg.moe_params(i)) / par.tp + cfg.moe_params(i)  # sparse MLPs: whole
+                for i in range(cfg.num_layers))
     gathered = (root * b + 2 * layer * b + 4 * layer) if par.fsdp > 1 else 0.0
     out = {"params": P * b, "grads": P * b, "optimizer": 2 * P * b, "optimizer_step": (P if foreach else largest) * b,
            "activations": activations, "backward": t * 2 * H * b,

@@ -1,4 +1,5 @@
-"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 3 families on packed sequences.
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mistral / Gemma 3 families on
+packed sequences.
 
 One plain model file in the spirit of gpt-fast: parameter names follow Hugging Face
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ...) so checkpoints map one to one
@@ -63,7 +64,9 @@ class ModelConfig:
     Mixture of experts (Qwen3-MoE; ``num_experts > 0``, :class:`SparseMoeBlock`): layer ``i`` is sparse
     (:meth:`is_moe`) unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``: a router
     ``[num_experts, H]`` picks ``num_experts_per_tok`` experts per token, each a gated MLP of
-    ``moe_intermediate_size`` units (``norm_topk_prob``: the picked weights renormalised to sum 1).
+    ``moe_intermediate_size`` units (``norm_topk_prob``: the picked weights renormalised to sum 1);
+    Qwen2-MoE adds to every sparse layer a shared expert of ``shared_expert_intermediate_size`` units
+    (0: none) whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
     ``hf_config`` keeps the checkpoint's own ``config.json`` so that saving writes back
     every field we do not model (token ids, generation settings, ...).
     """
@@ -100,6 +103,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: Tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
     model_type: str = "llama"
     hf_config: Optional[dict] = field(default=None, repr=False, compare=False)
 
@@ -128,6 +132,7 @@ class ModelConfig:
             check_int("num_experts_per_tok", self.num_experts_per_tok, minimum=1)
             check_int("moe_intermediate_size", self.moe_intermediate_size, minimum=1)
             check_int("decoder_sparse_step", self.decoder_sparse_step, minimum=1)
+            check_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0)
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
                                  f"({self.num_experts})")
@@ -145,14 +150,23 @@ class ModelConfig:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    def moe_params(self, layer: int) -> int:
+        """Parameters of layer ``layer``'s sparse MLP (0 if dense): the router (E H), all ``num_experts``
+        experts (E x 3 H moe_I) and Qwen2-MoE's shared expert with its [1, H] gate. Tensor parallelism keeps
+        them whole on every rank (:mod:`dapo_trainer.parallel.tensor`)."""
+        if not self.is_moe(layer):
+            return 0
+        H, shared = self.hidden_size, self.shared_expert_intermediate_size
+        return self.num_experts * (H + 3 * H * self.moe_intermediate_size) + (3 * H * shared + H if shared else 0)
+
     def layer_params(self, layer: int) -> int:
-        """Parameters of decoder layer ``layer``: attention, norms and its MLP -- dense (3 H I), or the
-        router (E H) and all ``num_experts`` experts' (E x 3 H moe_I) when :meth:`is_moe`."""
+        """Parameters of decoder layer ``layer``: attention, norms and its MLP -- dense (3 H I) or sparse
+        (:meth:`moe_params`)."""
         H, D = self.hidden_size, self.head_dim
         q, kv = self.num_heads * D, self.num_kv_heads * D
         attn = H * (q + 2 * kv) + q * H + (q + 2 * kv) * self.qkv_bias + H * self.o_bias
         if self.is_moe(layer):
-            mlp = self.num_experts * (H + 3 * H * self.moe_intermediate_size)
+            mlp = self.moe_params(layer)
         else:
             mlp = 3 * H * self.intermediate_size + (2 * self.intermediate_size + H) * self.mlp_bias
         norms = (4 if self.sandwich_norms else 2) * H + 2 * D * self.qk_norm
@@ -300,9 +314,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None):
         super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
@@ -359,6 +373,9 @@ class SparseMoeBlock(nn.Module):
         self.layer, self.top_k, self.norm_topk_prob = layer, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = MoEExperts(cfg)
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.replay: Optional[torch.Tensor] = None
         self.sink: Optional[List[RouterTrace]] = None  # set by Transformer.trace_routing
 
@@ -372,7 +389,10 @@ class SparseMoeBlock(nn.Module):
             weights = replayed_weights(logits, ids, self.norm_topk_prob)
         if self.sink is not None:
             self.sink.append(RouterTrace(self.layer, logits, ids))
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class DecoderLayer(nn.Module):

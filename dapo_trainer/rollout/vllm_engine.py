@@ -17,7 +17,7 @@ tensors as raw buffers). vLLM's tensor parallelism (``tensor_model_parallel_size
 only: refused on the CPU) runs its workers in other processes, which tensors cannot reach:
 there the policy goes through an HF checkpoint in ``model_dir``, rewritten at every update
 and reloaded in place (``reload_weights(weights_path=...)``, the tied lm_head rebuilt likewise).
-Every family the trainer loads (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 3) syncs by its HF names
+Every family the trainer loads (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral, Gemma 3) syncs by its HF names
 (``hf_weights``), both ways (tests/trainer/test_rollout_vllm_families.py).
 
 Log-probs: vLLM runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax

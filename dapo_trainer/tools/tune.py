@@ -199,8 +199,7 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     # device is not tried: TP x FSDP, as verl's Megatron layouts). A layout is taken when
     # its states fit and one sequence trains on it with checkpointing and offload (SP only without PP).
     tps = [t for t in (2, 4, 8) if world % t == 0 and t < world and all(
-        getattr(cfg, k) % t == 0 for k in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
-        + (("moe_intermediate_size",) if cfg.num_experts else ()))]
+        getattr(cfg, k) % t == 0 for k in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"))]
     layouts = [(1, 1, 1, "ddp", 0.5), (world, 1, 1, "fsdp2", STATE_SHARE)] if world > 1 else \
         [(1, 1, 1, "ddp", STATE_SHARE)]
     layouts += [(world // t, t, 1, "fsdp2" if world > t else "ddp", STATE_SHARE) for t in tps]

@@ -1,4 +1,5 @@
-"""Qwen3, Qwen3-MoE, Mistral and Gemma 3 (text) through load_hf_model / save_hf_model: parity with transformers.
+"""Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral and Gemma 3 (text) through load_hf_model / save_hf_model: parity with
+transformers.
 
 The same checks as the Llama / Qwen2 parity tests of test_model.py (logits within 1e-5 relative in float32,
 parameter gradients against float64, save -> from_pretrained), on tiny random models built with transformers
@@ -45,6 +46,10 @@ FAMILIES = {
     "qwen3-moe-norm": ("Qwen3Moe", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                         num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                         norm_topk_prob=True, mlp_only_layers=[1])),
+    # Qwen2-MoE: q/k/v bias, no q/k norm, a gated shared expert beside the routed ones; layer 0 dense.
+    "qwen2-moe-shared": ("Qwen2Moe", dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                          num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, mlp_only_layers=[0])),
     # Sparse layers 1, 3 (decoder_sparse_step 2), raw probabilities as weights, tied embeddings.
     "qwen3-moe-step2-tied": ("Qwen3Moe", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
                                               head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -88,7 +93,8 @@ def test_config_round_trips(hf_checkpoint):
     _, hf, path = hf_checkpoint
     cfg = read_hf_config(path)
     assert config_from_hf(config_to_hf(cfg)) == cfg
-    assert cfg.model_type == hf.config.model_type and cfg.head_dim == hf.config.head_dim
+    head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert cfg.model_type == hf.config.model_type and cfg.head_dim == head_dim  # Qwen2-MoE: no head_dim key
 
 
 def test_gemma3_release_dialect_reads_alike(tmp_path):
@@ -146,7 +152,7 @@ def test_on_policy_trainer_step(tmp_path, family):
 
 def test_supported_list_names_the_families():
     """The error for an unknown model_type lists every family."""
-    with pytest.raises(ValueError, match=r"supported: \['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3', "
-                                         r"'qwen3_moe'\]"):
-        config_from_hf(dict(model_type="qwen2_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+    with pytest.raises(ValueError, match=r"supported: \['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen2_moe', "
+                                         r"'qwen3', 'qwen3_moe'\]"):
+        config_from_hf(dict(model_type="mixtral", vocab_size=32, hidden_size=16, intermediate_size=32,
                             num_hidden_layers=2, num_attention_heads=2))

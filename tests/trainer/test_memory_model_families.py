@@ -67,6 +67,26 @@ def test_moe_count_equals_transformers(layout):
     assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
+def test_qwen2_moe_count_equals_transformers():
+    """Qwen2-MoE's sparse layers add a shared expert (3 H shared_I) and its [1, H] gate to the router and experts."""
+    hf, d = _hf("Qwen2Moe", **MOE, shared_expert_intermediate_size=24, mlp_only_layers=[2])
+    cfg = config_from_hf(d)
+    assert cfg.num_params() == _numel(hf) == _numel(Transformer(cfg))
+    for i in range(cfg.num_layers):
+        assert cfg.layer_params(i) == _numel(hf, f"model.layers.{i}."), i
+        assert cfg.moe_params(i) == (_numel(hf, f"model.layers.{i}.mlp.") if cfg.is_moe(i) else 0), i
+
+
+def test_tp_keeps_sparse_layers_whole():
+    """Under TP the sparse MLPs are replicated (parallel/tensor.py): a TP=2 rank holds half of everything
+    else and all of them."""
+    _, d = _hf("Qwen3Moe", **MOE, mlp_only_layers=[1])
+    cfg = config_from_hf(d)
+    whole = sum(cfg.moe_params(i) for i in range(cfg.num_layers))
+    assert whole and stage_memory(cfg, 64, dtype="bfloat16", par=Parallel(tp=2))["params"] == \
+        ((cfg.num_params() - whole) / 2 + whole) * DTYPE_BYTES["bfloat16"]
+
+
 def test_moe_states_count_every_expert_activations_the_active_ones():
     """Weights, gradients and Adam states grow with the experts; activations with the active experts
     only (per token: k copies of 2 H + 4 moe_I, and the router's fp32 softmax 4 E bytes)."""

@@ -21,9 +21,11 @@ load-balancing loss, added to each micro-batch's loss times ``actor.router_aux_l
 and its share of the mini-batch's tokens over all ranks (so a mini-batch adds the token-weighted mean
 of its micro-batches' losses; each is a micro-batch's own, as Megatron's, so its value depends on how
 the micro-batches are cut). Not under PP (:class:`PipelinedActor` traces nothing).
-Router replay R2 (``actor.router_replay.mode``, verl's): the old-log-prob forward records each
-micro-batch's routing (``MicroBatch.routed_experts``) and every training forward of that micro-batch
-routes by it (``Transformer.replay_routing``, held through the backward's recompute).
+Router replay (``actor.router_replay.mode``, verl's): R2, the old-log-prob forward records each
+micro-batch's routing (``MicroBatch.routed_experts``); R3, the rollout's routing (the train batch's
+``routed_experts``) is packed with the micro-batch and the old-log-prob forward routes by it too; every
+training forward of the micro-batch routes by it (``Transformer.replay_routing``, held through the
+backward's recompute).
 """
 from __future__ import annotations
 
@@ -86,9 +88,12 @@ def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: 
     return lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
 
 
-def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None) -> MicroBatch:
+def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None,
+                     top_k: int = 1) -> MicroBatch:
     """Prompt + response of ``rows`` end to end, labels shifted by one token; under sequence
-    parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard."""
+    parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard. With a
+    ``routed_experts`` column (router replay R3; ``top_k``: experts per token), each sparse layer's
+    ``[T, top_k]`` ids in the same token order."""
     ids, cu, mask, adv, cells = [], [0], [], [], []
     width = batch.response_ids.shape[1]
     for i in rows:
@@ -106,6 +111,13 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
         cell[pl - 1:pl + rl - 1] = i * width + torch.arange(rl)
         cells.append(cell)
     input_ids = torch.cat(ids)
+    routed = None
+    if batch.routed_experts.shape[1]:  # R3: the rollout's experts of each token, split per sparse layer
+        P = batch.prompt_ids.shape[1]
+        grid = batch.routed_experts.view(len(batch.prompt_len), P + width, -1)
+        flat = torch.cat([torch.cat([grid[i, :int(batch.prompt_len[i])], grid[i, P:P + int(batch.response_len[i])]])
+                          for i in rows]).view(input_ids.shape[0], -1, top_k)
+        routed = tuple(flat[:, layer].to(device) for layer in range(flat.shape[1]))
     labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
     lens = [cu[j + 1] - cu[j] for j in range(len(rows))]
     mask, adv, cells = torch.cat(mask), torch.cat(adv), torch.cat(cells)
@@ -118,7 +130,7 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
     return MicroBatch(input_ids=to_device_checked(input_ids, device), labels=to_device_checked(labels, device),
                       mask=mask.to(device), mask_index=mask_index.to(device), advantages=adv.to(device),
                       cu_seqlens=to_device_checked(torch.tensor(cu, dtype=torch.int32), device), max_seqlen=max(lens),
-                      response_index=cells[mask_index].to(device))
+                      response_index=cells[mask_index].to(device), routed_experts=routed)
 
 
 def to_grid(packed: List[List[MicroBatch]], values: List[List[Optional[torch.Tensor]]], shape: Tuple[int, int],
@@ -200,10 +212,11 @@ class Actor:
         self.bypass_metrics = list(dk.rollout_correction(one, one, one.bool(), **self.correction_options).metrics) \
             if self.bypass else []
         self.aux_coef = a.router_aux_loss_coef
-        self.replay_r2 = a.router_replay.mode == "R2"
-        if self.replay_r2 and not model.sparse_blocks():
-            raise ValueError(f"config key 'actor_rollout_ref.actor.router_replay.mode': 'R2' replays a mixture-of-"
-                             f"experts model's routing; model_type {model.config.model_type!r} has no sparse layer")
+        self.replay = a.router_replay.mode != "disabled"
+        if self.replay and not model.sparse_blocks():
+            raise ValueError(f"config key 'actor_rollout_ref.actor.router_replay.mode': {a.router_replay.mode!r} "
+                             f"replays a mixture-of-experts model's routing; model_type {model.config.model_type!r} "
+                             "has no sparse layer")
 
     def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
@@ -241,7 +254,7 @@ class Actor:
         return plan
 
     def pack(self, batch: TrainBatch, rows: List[int]) -> MicroBatch:
-        return pack_micro_batch(batch, rows, self.device, self.dims.sp_group)
+        return pack_micro_batch(batch, rows, self.device, self.dims.sp_group, self.model.config.num_experts_per_tok)
 
     @torch.no_grad()
     def log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]) -> List[List[torch.Tensor]]:
@@ -252,14 +265,21 @@ class Actor:
                         field: str) -> List[List[MicroBatch]]:
         """``packed`` with ``field`` (``old_log_prob`` / ``ref_log_prob``) set to ``model``'s log-probs
         (router replay R2: the old ones with the routing of their forward)."""
-        if field == "old_log_prob" and self.replay_r2:
+        if field == "old_log_prob" and self.replay:
             return [[self._old_with_routing(mb) for mb in mbs] for mbs in packed]
         lps = self.log_probs(model, plan, packed)
         return [[replace(mb, **{field: lp}) for mb, lp in zip(mbs, row)] for mbs, row in zip(packed, lps)]
 
     @torch.no_grad()
     def _old_with_routing(self, mb: MicroBatch) -> MicroBatch:
-        """``mb`` with the policy's log-probs as ``old_log_prob`` and their forward's expert choices."""
+        """``mb`` with the policy's log-probs as ``old_log_prob`` -- R2: and their forward's expert
+        choices; R3: routed as the rollout was (``mb.routed_experts``)."""
+        if mb.routed_experts is not None:  # R3
+            self.model.replay_routing(mb.routed_experts)
+            try:
+                return replace(mb, old_log_prob=masked_log_probs(self.model, mb, self.temperature))
+            finally:
+                self.model.replay_routing(None)
         with self.model.trace_routing() as traces:
             lp = masked_log_probs(self.model, mb, self.temperature)
         return replace(mb, old_log_prob=lp, routed_experts=tuple(t.topk_ids for t in traces))

@@ -86,6 +86,8 @@ class RolloutSection(EngineSettings):
     # old-log-prob forward even on-policy, except bypass_mode). Both engines always report them; false (the
     # default, verl's RolloutConfig's; its rollout.yaml says true) leaves the update as it was.
     calculate_log_probs: bool = False
+    # verl's key: the engine records each token's experts (mixture-of-experts models) for router replay R3.
+    enable_rollout_routing_replay: bool = False
 
     def engine_config(self) -> RolloutConfig:
         """The :class:`RolloutConfig` ``make_rollout`` takes."""
@@ -128,7 +130,8 @@ class DynamicTokenLenConfig:
 class RouterReplayConfig:
     """``actor_rollout_ref.actor.router_replay.*`` (verl's): mixture-of-experts routing reused in training.
     ``R2``: each training forward routes its tokens as the old-log-prob forward did (recorded there);
-    ``R3`` (the rollout's routing) is refused: the sampler's routing does not reach the train batch yet."""
+    ``R3``: the old-log-prob and training forwards route as the rollout did (the embedded sampler records it:
+    ``rollout.enable_rollout_routing_replay``)."""
 
     mode: RouterReplayMode = "disabled"
 

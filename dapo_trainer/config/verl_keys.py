@@ -124,9 +124,6 @@ VERL_KEYS: Dict[str, VerlKey] = {
     f"{R}.max_num_batched_tokens": VerlKey(_int(1), "an int >= 1", _VLLM_DEFAULT),
     f"{R}.max_num_seqs": VerlKey(_int(1), "an int >= 1", _VLLM_DEFAULT),
     # mixture of experts
-    f"{R}.enable_rollout_routing_replay": VerlKey(_is(False), "false (the rollout's routing is not recorded "
-                                                  "for training: router_replay.mode R3 is not implemented)",
-                                                  "the sampler's expert choices are not kept"),
     **{k: VerlKey(_is(1), "1 (expert parallelism is not implemented)", f"no expert parallelism: {_NO_EP}")
        for k in (f"{A}.megatron.expert_model_parallel_size", f"{REF}.megatron.expert_model_parallel_size",
                  f"{R}.expert_parallel_size")},

@@ -94,8 +94,8 @@ class RolloutOutput:
         n: samples per prompt; responses ``k*n .. k*n+n-1`` answer prompt ``k``.
         routed_experts: mixture-of-experts models, when the engine records routing (the embedded
             sampler's ``record_routing``): ``[T', L, k]`` int64 in :meth:`sequences`' token order, the
-            ``k`` experts each of the ``L`` sparse layers ran each token through; a -1 row for a token
-            the sampler never ran (a response's last one, unless its batch row ran on); else None.
+            ``k`` experts each of the ``L`` sparse layers ran each token through; a -1 row for each
+            response's last token (its routing reaches no trained log-prob); else None.
     """
 
     prompt_ids: List[List[int]]

@@ -182,7 +182,8 @@ class _Recorder:
 
 class _RouteRecorder:
     """The sparse layers' expert choices of a generate call: the packed prompts' at prefill, each
-    response token's at the decode step that ran it (-1 until then: a response's last token)."""
+    response token's at the decode step that ran it; -1 for each response's last token (sampled, run
+    only when its batch row ran on: its routing reaches no trained log-prob, so none is kept)."""
 
     def __init__(self, model: Transformer, num: int, max_new: int):
         self.model = model
@@ -216,7 +217,9 @@ class _RouteRecorder:
             starts.append(starts[-1] + len(p))
         parts = []
         for r, g in enumerate(out.group_index.tolist()):
-            parts += [self.prompts[starts[g]:starts[g + 1]], self.responses[r, :int(out.lengths[r])]]
+            n = int(out.lengths[r])
+            self.responses[r, n - 1] = -1
+            parts += [self.prompts[starts[g]:starts[g + 1]], self.responses[r, :n]]
         return torch.cat(parts)
 
 

@@ -8,7 +8,7 @@ over the TP group), tied embeddings (vocabulary-parallel under TP, a copy on the
 whole sequences of a head shard), Gemma's embedding scale and interleaved sliding / full layers with their
 own ropes (a PP stage keeps each layer's type: layer 1, full, is stage 1's only layer), Qwen3-MoE's sparse
 layers (replicated under TP, experts sharded by FSDP2, one per PP stage, token shards routed under SP; the
-router load metrics equal one process's too; router replay R2 at TP=2 and FSDP2).
+router load metrics equal one process's too; router replay R2 and R3 at TP=2 and FSDP2).
 One spawn of 2 gloo processes runs every scenario (test_pipeline.py's harness): the train batch, the first
 step's metrics, every gradient and the updated weights equal one process's within fp32 reduction noise.
 A layout a model cannot take is refused at start-up, naming the key (Gemma 3 1B's single KV head at TP=2).
@@ -92,11 +92,15 @@ def test_families_tp2_fsdp2_pp2_sp2_equal_one_process(tmp_path):
 @pytest.mark.timeout(600)
 def test_qwen3_moe_tp2_fsdp2_pp2_sp2_equal_one_process(tmp_path):
     """Each layout, and router replay R2 (two epochs: the old-log-prob pass records, the update replays)
-    at TP=2 and FSDP2, against one process with the same settings."""
+    and R3 (the rollout's routing through the all-gathered train batch) at TP=2 and FSDP2, against one
+    process with the same settings."""
     moe = _model(tmp_path, "qwen3-moe")
     scenarios = {f"qwen3-moe-{name}": moe + layout for name, layout in LAYOUTS.items()}
     r2 = ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_epochs=2"]
-    scenarios.update({f"qwen3-moe-r2-{name}": moe + r2 + LAYOUTS[name] for name in ("tp2", "fsdp2")})
+    r3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.actor.ppo_epochs=2",
+          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    for mode, extra in (("r2", r2), ("r3", r3)):
+        scenarios.update({f"qwen3-moe-{mode}-{name}": moe + extra + LAYOUTS[name] for name in ("tp2", "fsdp2")})
     _spawn_and_compare(tmp_path, 2, scenarios, setup=_setup)
 
 

@@ -217,16 +217,61 @@ def test_r2_replays_the_old_log_prob_forwards_routing(tmp_path, monkeypatch):
     assert not replayed["disabled"] and len(replayed["R2"]) >= 2 * 2  # 2 sparse layers, 2 epochs
 
 
+def test_r3_replays_the_rollouts_routing(tmp_path, monkeypatch):
+    """router_replay.mode=R3 (+ rollout.enable_rollout_routing_replay), two epochs: the old-log-prob
+    forwards and every training forward route each sparse layer by the sampler's recorded expert ids
+    (TrainBatch.routed_experts packed with the micro-batch); before the first update the policy is the
+    sampler's, so its own top-k agrees with them on every token the sampler ran (-1 rows: the rest)."""
+    from dapo_trainer.model import SparseMoeBlock
+
+    calls = []  # (grad enabled, replayed ids or None, the router's own top-k ids)
+    forward = SparseMoeBlock.forward
+
+    def spy(self, x):
+        own = dk.moe_route(self.gate(x).detach(), self.top_k, self.norm_topk_prob)[1]
+        calls.append((torch.is_grad_enabled(), self.replay, own))
+        return forward(self, x)
+
+    monkeypatch.setattr(SparseMoeBlock, "forward", spy)
+    root = str(tmp_path)
+    overrides = micro_setup(root) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
+                                     "data.val_files=[]", "actor_rollout_ref.actor.ppo_epochs=2",
+                                     "actor_rollout_ref.actor.router_replay.mode=R3",
+                                     "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    write_tiny_model(os.path.join(root, "model"), layers=2, model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    trainer = DAPOTrainer(load_config(overrides=overrides))
+    batch, _ = trainer.generation.collect(1)
+    assert batch.routed_experts.shape[1] == (6 + 5) * 2 * 2  # (max prompt + max response) x 2 layers x top-2
+    calls.clear()
+    trainer.actor.update(batch)
+    replayed = [c for c in calls if c[1] is not None]
+    old = [c for c in replayed if not c[0]]
+    assert old and all(c[1] is not None for c in calls), "a forward of the update routed by its own router"
+    for _, replay, own in old:  # the old-log-prob pass precedes any update: the sampler's policy
+        ran = (replay >= 0).all(1)
+        assert torch.equal(own[ran], replay[ran]) and 0 < int((~ran).sum()) <= batch.prompt_len.shape[0]
+
+
 def test_router_replay_refusals(tmp_path):
-    """R3 and R2 under PP are refused at load naming the key; R2 on a dense model at start-up."""
+    """Router replay settings that cannot work are refused at load naming the key; R2 / R3 on a dense
+    model at start-up."""
     base = micro_setup(str(tmp_path))
-    key = "actor_rollout_ref.actor.router_replay.mode"
-    with pytest.raises(ValueError, match=f"{key}.*'R3' .* is not implemented"):
+    key, rec = "actor_rollout_ref.actor.router_replay.mode", "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+    with pytest.raises(ValueError, match=f"{rec}.*only for it: got false with 'R3'"):
         load_config(overrides=base + [f"{key}=R3"])
+    with pytest.raises(ValueError, match=f"{rec}.*only for it: got true with 'R2'"):
+        load_config(overrides=base + [f"{key}=R2", f"{rec}=true"])
+    r3 = [f"{key}=R3", f"{rec}=true"]
+    with pytest.raises(ValueError, match=f"{key}.*'R3' needs the embedded sampler"):
+        load_config(overrides=base + r3 + ["actor_rollout_ref.rollout.name=vllm"])
+    with pytest.raises(ValueError, match=f"{key}.*'R3' with sequence parallelism"):
+        load_config(overrides=base + r3 + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
     with pytest.raises(ValueError, match=f"{key}.*pipeline parallelism"):
         load_config(overrides=base + [f"{key}=R2", "actor_rollout_ref.actor.pipeline_model_parallel_size=2"])
-    with pytest.raises(ValueError, match=f"{key}.*model_type 'llama' has no sparse layer"):
-        DAPOTrainer(load_config(overrides=base + [f"{key}=R2"]))
+    for mode in (["R2"], r3):
+        with pytest.raises(ValueError, match=f"{key}.*model_type 'llama' has no sparse layer"):
+            DAPOTrainer(load_config(overrides=base + ([f"{key}=R2"] if mode == ["R2"] else r3)))
 
 
 def test_vllm_sync_names_are_the_checkpoints(checkpoint):

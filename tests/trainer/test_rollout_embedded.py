@@ -329,7 +329,9 @@ def test_sampler_routing_replays_in_the_training_forward(dtype):
     routed = out.routed_experts
     assert routed.shape == (ids.shape[0], 2, 4) and routed.dtype == torch.int64
     unrun = (routed < 0).any(-1).any(-1)
-    assert bool((routed[~unrun] < 16).all()) and int(unrun.sum()) <= out.num_responses  # a last token at most each
+    assert bool((routed[~unrun] < 16).all()) and int(unrun.sum()) == out.num_responses  # each response's last token
+    assert bool(unrun[out.cu_seqlens[1:].long() + torch.tensor([len(out.prompt_ids[g]) for g in out.group_index])
+                      .cumsum(0) - 1].all())
     assert not bool(unrun[~mask].any())  # every prompt token ran at prefill
     mismatch, choice = {}, {}
     for replay in (False, True):

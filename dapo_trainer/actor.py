@@ -14,6 +14,18 @@ old vs the rollout's log-probs over the whole train batch (``[N, R]``, as verl's
 weights and rejection-masked response mask handed to every micro-batch's loss; ``bypass_mode``, no
 old-log-prob pass, the rollout's log-probs are the old ones and each micro-batch is corrected against
 the current policy inside the update (verl's ``compute_policy_loss_bypass_mode``, PPO-clip).
+
+Mixture-of-experts models (Qwen3-MoE): every training forward's routing is traced
+(:class:`~dapo_trainer.router_load.RouterLoad`): the ``actor/moe_*`` load metrics, and the router's
+load-balancing loss, added to each micro-batch's loss times ``actor.router_aux_loss_coef`` (0: off)
+and its share of the mini-batch's tokens over all ranks (so a mini-batch adds the token-weighted mean
+of its micro-batches' losses; each is a micro-batch's own, as Megatron's, so its value depends on how
+the micro-batches are cut). Not under PP (:class:`PipelinedActor` traces nothing).
+Router replay (``actor.router_replay.mode``, verl's): R2, the old-log-prob forward records each
+micro-batch's routing (``MicroBatch.routed_experts``); R3, the rollout's routing (the train batch's
+``routed_experts``) is packed with the micro-batch and the old-log-prob forward routes by it too; every
+training forward of the micro-batch routes by it (``Transformer.replay_routing``, held through the
+backward's recompute).
 """
 from __future__ import annotations
 
@@ -32,6 +44,7 @@ from dapo_kernels.validation import to_device_checked
 from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, shard_sequence, sp_micro_batches,
                        tp_grad_sync, tp_shard_dims)
 from .records import MicroBatch, MiniBatchPlan, TrainBatch
+from .router_load import RouterLoad
 
 # The loss's per-token fractions (its name: the metric's), summed times tokens over the update.
 _LOSS_FRACTIONS = {"pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
@@ -75,9 +88,12 @@ def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: 
     return lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
 
 
-def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None) -> MicroBatch:
+def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None,
+                     top_k: int = 1) -> MicroBatch:
     """Prompt + response of ``rows`` end to end, labels shifted by one token; under sequence
-    parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard.
+    parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard. With a
+    ``routed_experts`` column (router replay R3; ``top_k``: experts per token), each sparse layer's
+    ``[T, top_k]`` ids in the same token order.
 
     Whole-tensor ops on the rows' ``[n, P + R]`` prompt-and-response grid (kept slots in row-major
     order are each row's prompt then its response), not a loop of small ops per row."""
@@ -96,6 +112,11 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
     mask = (predicts & batch.sampled[r].gather(1, kc))[keep]
     adv = batch.advantages[r].float()[:, None].expand(-1, P + R)[keep]
     cells = torch.where(predicts, r[:, None] * R + kc, -1)[keep]  # the [N, R] grid's cell each position predicts
+    routed = None
+    if batch.routed_experts.shape[1]:  # R3: the rollout's experts of each token ([N, (P + R) * layers * k] grid)
+        grid = batch.routed_experts.view(len(batch.prompt_len), P + R, -1)[r][keep]
+        flat = grid.view(input_ids.shape[0], -1, top_k)
+        routed = tuple(flat[:, layer].to(device) for layer in range(flat.shape[1]))
     labels = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
     lens = pl + rl
     cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
@@ -109,7 +130,7 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
     return MicroBatch(input_ids=to_device_checked(input_ids, device), labels=to_device_checked(labels, device),
                       mask=mask.to(device), mask_index=mask_index.to(device), advantages=adv.to(device),
                       cu_seqlens=to_device_checked(cu, device), max_seqlen=int(lens.max()),
-                      response_index=cells[mask_index].to(device))
+                      response_index=cells[mask_index].to(device), routed_experts=routed)
 
 
 def to_grid(packed: List[List[MicroBatch]], values: List[List[Optional[torch.Tensor]]], shape: Tuple[int, int],
@@ -193,6 +214,12 @@ class Actor:
         one = torch.zeros(1, 1)
         self.bypass_metrics = list(dk.rollout_correction(one, one, one.bool(), **self.correction_options).metrics) \
             if self.bypass else []
+        self.aux_coef = a.router_aux_loss_coef
+        self.replay = a.router_replay.mode != "disabled"
+        if self.replay and not model.sparse_blocks():
+            raise ValueError(f"config key 'actor_rollout_ref.actor.router_replay.mode': {a.router_replay.mode!r} "
+                             f"replays a mixture-of-experts model's routing; model_type {model.config.model_type!r} "
+                             "has no sparse layer")
 
     def plan(self, batch: TrainBatch) -> List[MiniBatchPlan]:
         """Per mini-batch: this rank's micro-batches (row indices), the global counts, the token cap
@@ -225,11 +252,12 @@ class Actor:
                 step = a.ppo_micro_batch_size_per_gpu
                 micro = [mine[i:i + step] for i in range(0, len(mine), step)]
             plan.append(MiniBatchPlan(micro=micro, num_tokens=sum(resp[i] for i in mini), num_seqs=len(mini),
-                                      max_token_len=cap if a.use_dynamic_bsz else None, tokens=sum(lens)))
+                                      max_token_len=cap if a.use_dynamic_bsz else None, tokens=sum(lens),
+                                      all_tokens=sum(seqlens[i] for i in mini)))
         return plan
 
     def pack(self, batch: TrainBatch, rows: List[int]) -> MicroBatch:
-        return pack_micro_batch(batch, rows, self.device, self.dims.sp_group)
+        return pack_micro_batch(batch, rows, self.device, self.dims.sp_group, self.model.config.num_experts_per_tok)
 
     @torch.no_grad()
     def log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]) -> List[List[torch.Tensor]]:
@@ -238,9 +266,26 @@ class Actor:
 
     def _with_log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]],
                         field: str) -> List[List[MicroBatch]]:
-        """``packed`` with ``field`` (``old_log_prob`` / ``ref_log_prob``) set to ``model``'s log-probs."""
+        """``packed`` with ``field`` (``old_log_prob`` / ``ref_log_prob``) set to ``model``'s log-probs
+        (router replay R2: the old ones with the routing of their forward)."""
+        if field == "old_log_prob" and self.replay:
+            return [[self._old_with_routing(mb) for mb in mbs] for mbs in packed]
         lps = self.log_probs(model, plan, packed)
         return [[replace(mb, **{field: lp}) for mb, lp in zip(mbs, row)] for mbs, row in zip(packed, lps)]
+
+    @torch.no_grad()
+    def _old_with_routing(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` with the policy's log-probs as ``old_log_prob`` -- R2: and their forward's expert
+        choices; R3: routed as the rollout was (``mb.routed_experts``)."""
+        if mb.routed_experts is not None:  # R3
+            self.model.replay_routing(mb.routed_experts)
+            try:
+                return replace(mb, old_log_prob=masked_log_probs(self.model, mb, self.temperature))
+            finally:
+                self.model.replay_routing(None)
+        with self.model.trace_routing() as traces:
+            lp = masked_log_probs(self.model, mb, self.temperature)
+        return replace(mb, old_log_prob=lp, routed_experts=tuple(t.topk_ids for t in traces))
 
     def _correct(self, batch: TrainBatch, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]):
         """verl's decoupled rollout correction: ``dk.rollout_correction`` of the old log-probs (``packed``'s)
@@ -312,6 +357,9 @@ class Actor:
         # the gradient norm are read once per update, to decide whether to apply it.
         names = _SUMS + ((*self.bypass_metrics, _CORRECTED) if self.bypass else ())
         sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in names}
+        cfg, sparse = self.model.config, len(self.model.sparse_blocks())
+        self.router_load = RouterLoad(sparse, cfg.num_experts, cfg.num_experts_per_tok, self.device) \
+            if sparse and self.dims.pp == 1 else None  # PipelinedActor traces nothing
         loss_sum = norm_sum = 0.0
         n_updates, skipped, has_kl = 0, [], False
         for epoch in range(a.ppo_epochs):
@@ -346,6 +394,9 @@ class Actor:
             out["actor/kl_loss"] = totals["actor/kl_loss"] / n_mini
         if self.bypass:
             out.update({name: totals[name] / max(totals[_CORRECTED], 1.0) for name in self.bypass_metrics})
+        if self.router_load is not None:
+            out.update(self.router_load.metrics(self.dims.grad_group if self.dims.grad_ranks > 1 else None,
+                                                self.dims.comm_device))
         if corrected:  # the step's one read of them, with its other metrics
             out.update(zip(corrected, torch.stack(list(corrected.values())).tolist()))
         out.update(timing)
@@ -399,11 +450,30 @@ class Actor:
             # DDP all-reduces in the last micro-batch's backward only; the others accumulate.
             sync = self.ddp.no_sync() if self.ddp is not None and j + 1 < len(mbs) else nullcontext()
             with sync:
-                hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
-                loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
-                loss.backward()
+                if mb.routed_experts is not None:  # R2; kept through the backward (checkpointing recomputes)
+                    self.model.replay_routing(mb.routed_experts)
+                try:
+                    with self.model.trace_routing() as traces:  # the forward's only: not the recompute
+                        hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
+                    loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
+                    if self.router_load is not None:
+                        loss = loss + self._router_aux_loss(traces, p)
+                    loss.backward()
+                finally:
+                    if mb.routed_experts is not None:
+                        self.model.replay_routing(None)
                 has_kl = has_kl or kl
         return mini_loss, has_kl
+
+    def _router_aux_loss(self, traces, p: MiniBatchPlan) -> torch.Tensor:
+        """The micro-batch's router aux-loss term (module doc; counts its routing in ``self.router_load``):
+        ``coef * aux * T / (the mini-batch's tokens over every rank)``, times the gradient ranks, which
+        average it: the mini-batch adds the token-weighted mean of its micro-batches' (SP: shards') losses."""
+        aux = self.router_load.add(traces)
+        if not self.aux_coef:
+            return aux.new_zeros(())
+        T = traces[0].logits.shape[0]
+        return aux * (self.aux_coef * T * self.dims.grad_ranks / p.all_tokens)
 
     def _reduce_sums(self, sums: Dict[str, torch.Tensor], loss_sum: float):
         """``sums`` on the host (one read), summed over the gradient ranks with ``loss_sum``; the

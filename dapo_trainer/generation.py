@@ -65,8 +65,10 @@ class GenerationStage:
     """
 
     def __init__(self, cfg, dims: ParallelDims, tokenizer, engine, train_rows: List[dict], env=None, *,
-                 prompt_cache: Optional[Dict[int, List[int]]] = None):
+                 prompt_cache: Optional[Dict[int, List[int]]] = None, routes: int = 0):
         self.cfg, self.dims, self.tokenizer, self.engine = cfg, dims, tokenizer, engine
+        # Router replay R3: expert ids per token the engine records (sparse layers x num_experts_per_tok), else 0.
+        self.routes = routes
         self.rollout_cfg = cfg.actor_rollout_ref.rollout
         self.train_rows = train_rows
         d, fg = cfg.data, cfg.algorithm.filter_groups
@@ -90,7 +92,7 @@ class GenerationStage:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
-        acc, n = _renamed_accumulator_state(state["accumulator"]), self.rollout_cfg.n
+        acc, n = _with_routing_column(_renamed_accumulator_state(state["accumulator"])), self.rollout_cfg.n
         saved_n = dk.DynamicBatchAccumulator.state_n_per_prompt(acc)
         if saved_n not in (None, n):  # groups of another rollout.n cannot join this run's train batches
             if self.dims.rank == 0:
@@ -110,6 +112,15 @@ class GenerationStage:
         for chunk in acc_state.get("chunks") or []:
             if not isinstance(chunk, dict):
                 continue  # the accumulator's load_state_dict names what is wrong with it
+            routed = getattr(chunk.get("routed_experts"), "shape", (0, 0))[1]
+            want = (d.max_prompt_length + d.max_response_length) * self.routes
+            if routed != want:
+                mode = self.cfg.actor_rollout_ref.actor.router_replay.mode
+                raise ValueError(
+                    f"actor_rollout_ref.actor.router_replay.mode={mode}: "
+                    f"the checkpoint being resumed carries kept groups with {routed} routing ids per row, this run "
+                    f"records {want}: resume with the router replay mode that sampled them, or from a checkpoint "
+                    "that carries no group (train/carried_over_groups 0)")
             for key, column, want in (("data.max_prompt_length", "prompt_ids", d.max_prompt_length),
                                       ("data.max_response_length", "response_ids", d.max_response_length)):
                 have = getattr(chunk.get(column), "shape", (0, want))[1]
@@ -163,7 +174,8 @@ class GenerationStage:
         R, P = d.max_response_length, d.max_prompt_length
         if not rows:  # more replicas than prompts: this one only receives
             self.join_lockstep(R)
-            return _SampledShare(RolloutShare.empty(P, R), {"timing_s/gen": 0.0, "timing_s/reward": 0.0}, {}, [])
+            return _SampledShare(RolloutShare.empty(P, R, self.routes), {"timing_s/gen": 0.0, "timing_s/reward": 0.0},
+                                 {}, [])
         t0 = time.perf_counter()
         ep = self.rollout(rows=rows, keys=idx, cache=self._prompt_cache, n=r.n, temperature=r.temperature,
                           top_p=r.top_p, seed=seed, prompt_offset=offset)
@@ -193,11 +205,21 @@ class GenerationStage:
         sampled = torch.zeros(N, R, dtype=torch.bool)
         mask = getattr(out, "response_mask", None)
         sampled[valid] = True if mask is None else mask.bool()
+        routed = torch.full((N, P + R, self.routes), -1, dtype=torch.int64)
+        if self.routes:  # R3: the engine's [T', L, k] in sequences() order, into prompt / response columns
+            flat = out.routed_experts.reshape(-1, self.routes)
+            start = 0
+            for k, g in enumerate(groups):
+                pl, rl = len(prompts[g]), int(lengths[k])
+                routed[k, :pl] = flat[start:start + pl]
+                routed[k, P:P + rl] = flat[start + pl:start + pl + rl]
+                start += pl + rl
         share = RolloutShare(
             prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, sampled=sampled,
             prompt_len=torch.tensor([len(prompts[g]) for g in groups], dtype=torch.int64), response_len=lengths,
             stopped=torch.tensor([f == "stop" for f in out.finish_reasons], dtype=torch.bool), score=score, acc=acc,
-            reward=final, filter_metric=metric, failed=failed, turns=torch.tensor(ep.turns, dtype=torch.float64))
+            reward=final, filter_metric=metric, failed=failed, turns=torch.tensor(ep.turns, dtype=torch.float64),
+            routed_experts=routed.reshape(N, -1))
         timing = {"timing_s/gen": t1 - t0, "timing_s/reward": time.perf_counter() - t1}
         return _SampledShare(share, timing, ep.turn_stats, comps)
 
@@ -211,7 +233,7 @@ class GenerationStage:
             dist.all_gather(parts, buf, group=self.dims.rollout_group)
             table = torch.cat([p[:m] for p, m in zip(parts, rows_per_replica)]).cpu()
         d = self.cfg.data
-        return RolloutShare.unpack(table, d.max_prompt_length, d.max_response_length)
+        return RolloutShare.unpack(table, d.max_prompt_length, d.max_response_length, self.routes)
 
     def generation_batch(self, step: int, k: int) -> GenerationBatch:
         """Generate, reward and filter one generation batch of ``cursor.batch_size`` prompts; rows padded
@@ -354,6 +376,16 @@ class GenerationStage:
                              "reward": float(x.reward[j]), "filter_metric": float(gb.metric[j]),
                              "components": comps, "kept": bool(gb.keep[j])})
         rollout_dump.write_step(t.rollout_data_dir, step, rows)
+
+
+def _with_routing_column(state: dict) -> dict:
+    """``state`` with an empty ``routed_experts`` column in chunks saved before the column existed."""
+    keys, chunks = (state.get("keys"), state.get("chunks")) if isinstance(state, dict) else (None, None)
+    if not isinstance(keys, (list, tuple)) or "routed_experts" in keys or not isinstance(chunks, (list, tuple)) \
+            or not all(isinstance(c, dict) and "prompt_len" in c for c in chunks):
+        return state  # (the accumulator's load_state_dict names what is wrong with a malformed state)
+    chunks = [{**c, "routed_experts": torch.zeros(len(c["prompt_len"]), 0, dtype=torch.int64)} for c in chunks]
+    return {**state, "chunks": chunks, "keys": tuple(sorted({*keys, "routed_experts"}))}
 
 
 def _renamed_accumulator_state(state: dict) -> dict:

@@ -4,13 +4,19 @@ Reads the two ``config.json`` dialects found in the wild: the classic ``rope_the
 ``rope_scaling`` (Qwen2.5, Llama 3.x releases) and transformers 5's ``rope_parameters``.
 Writes a single ``model.safetensors`` or, above ``max_shard_size``, numbered shards plus
 ``model.safetensors.index.json`` - the layout transformers and vLLM load.
+
+Qwen3-MoE's experts: the model holds them stacked (``mlp.experts.gate_up_proj [E, 2I, H]``,
+``mlp.experts.down_proj [E, H, I]``: transformers 5's in-memory names), checkpoints per expert
+(``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``: the releases', transformers' save and
+vLLM's load). Loading reads either; saving and :func:`hf_tensors` write per expert.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
-from typing import Callable, Dict, Iterable, Optional
+import re
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -187,6 +193,55 @@ def _our_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+# A checkpoint's per-expert weight (our name): layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight.
+_EXPERT_PIECE = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def hf_tensors(name: str, t: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` of our parameter ``name``: itself under its HF name, or a stacked
+    experts' weight split per expert (``gate_up_proj [E, 2I, H]``: gate rows first)."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+        yield hf_name(name), t
+        return
+    half = t.shape[1] // 2
+    for e in range(t.shape[0]):
+        if leaf == "down_proj":
+            yield hf_name(f"{prefix}.{e}.down_proj.weight"), t[e]
+        else:
+            yield hf_name(f"{prefix}.{e}.gate_proj.weight"), t[e, :half]
+            yield hf_name(f"{prefix}.{e}.up_proj.weight"), t[e, half:]
+
+
+def _stack_experts(pieces: Dict[str, Dict[Tuple[int, str], object]], expected: dict, wanted: set,
+                   state: Dict[str, torch.Tensor], seen: Dict[str, tuple], unexpected: List[str]) -> List[str]:
+    """Per-expert checkpoint weights (``pieces[stacked name][(expert, part)]``: a tensor if wanted,
+    else its shape) into the stacked parameters, in ``state`` / ``seen``; returns the missing pieces'
+    names and adds pieces of experts beyond ``num_experts`` to ``unexpected``."""
+    missing = []
+    for name, got in pieces.items():
+        if name not in expected:
+            unexpected.extend(hf_name(f"{name.rpartition('.')[0]}.{e}.{part}.weight") for e, part in got)
+            continue
+        E = expected[name].shape[0]
+        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        unexpected.extend(hf_name(f"{name.rpartition('.')[0]}.{e}.{part}.weight") for e, part in got if e >= E)
+        absent = [(e, part) for e in range(E) for part in parts if (e, part) not in got]
+        missing.extend(hf_name(f"{name.rpartition('.')[0]}.{e}.{part}.weight") for e, part in absent)
+        if absent:
+            continue
+        rows = [got[(e, part)] for e in range(E) for part in parts]
+        shapes = {tuple(r.shape) if isinstance(r, torch.Tensor) else r for r in rows}
+        if len(shapes) != 1:
+            raise ValueError(f"checkpoint experts of {hf_name(name)} differ in shape: {sorted(shapes)}")
+        (shape,) = shapes
+        seen[name] = (E, len(parts) * shape[0], *shape[1:])
+        if name in wanted:
+            state[name] = torch.stack([torch.cat([got[(e, p)] for p in parts]) for e in range(E)])
+    return missing
+
+
 def _weight_files(path: str) -> list:
     index = os.path.join(path, SAFE_INDEX_NAME)
     if os.path.isfile(index):
@@ -234,6 +289,7 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
     state: Dict[str, torch.Tensor] = {}
     seen: Dict[str, tuple] = {}  # name -> shape (from the header for the weights not read)
     unexpected = []
+    pieces: Dict[str, Dict[Tuple[int, str], object]] = {}  # stacked experts' name -> per-expert weights
     for file in _weight_files(path):
         full = os.path.join(path, file)
         try:
@@ -241,6 +297,13 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
                 for key in f.keys():
                     name = _our_name(key)
                     if key.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue
+                    piece = _EXPERT_PIECE.match(name)
+                    if piece:
+                        stacked = f"{piece[1]}.{_STACKED[piece[3]]}"
+                        pieces.setdefault(stacked, {})[(int(piece[2]), piece[3])] = (
+                            f.get_tensor(key).to(device=device, dtype=dtype) if stacked in wanted
+                            else tuple(f.get_slice(key).get_shape()))
                         continue
                     if name not in expected:
                         unexpected.append(key)
@@ -252,7 +315,8 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device="cpu",
                         seen[name] = tuple(f.get_slice(key).get_shape())
         except (OSError, _safetensor_error()) as e:
             raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    missing = [hf_name(n) for n in expected if n not in seen]
+    missing = _stack_experts(pieces, expected, wanted, state, seen, unexpected)
+    missing += [hf_name(n) for n in expected if n not in seen and n not in pieces]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing {len(missing)} weight(s): {missing[:8]}"
                          + (" ..." if len(missing) > 8 else ""))
@@ -311,7 +375,7 @@ def save_hf_model(model: Transformer, path: str, *, max_shard_size: Optional[int
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         # safetensors refuses views that share storage; the checkpoint wants plain copies.
-        tensors.append((hf_name(name), t.detach().to("cpu").contiguous().clone()))
+        tensors.extend((key, piece.detach().to("cpu").contiguous().clone()) for key, piece in hf_tensors(name, t))
     write_hf_config(cfg, tensors[0][1].dtype if tensors else None, path)
     shards = list(_chunks(tensors, max_shard_size))
     meta = {"format": "pt"}

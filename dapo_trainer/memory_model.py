@@ -4,11 +4,13 @@ adaptive sampling's generation batch (:func:`dapo_trainer.adaptive_sampling.gen_
 :func:`train_memory` counts, for one rank of the update (bytes):
 
 * ``params``, ``grads``: the parameters and their gradients in the training dtype, divided over
-  TP ranks and, under FSDP, over the FSDP ranks;
+  TP ranks (but the sparse MLPs, which TP keeps whole: ``ModelConfig.moe_params``) and, under FSDP,
+  over the FSDP ranks; a mixture-of-experts layer counts its router
+  (E x H) and all E experts (E x 3 H moe_I: ``ModelConfig.layer_params``), whichever tokens they see;
 * ``optimizer``: AdamW's two moments in the parameter dtype (torch keeps them so);
 * ``optimizer_step``: the AdamW step's temporaries: one parameter-sized tensor list with the
   foreach implementation (torch's default on CUDA), one tensor's worth with the per-tensor loop
-  (its default on the CPU);
+  (its default on the CPU; an MoE layer's largest is its experts' stacked gate / up, 2 E moe_I H);
 * ``activations``: what autograd keeps for a micro-batch of ``tokens`` tokens. Per layer and token,
   the layer input, the two RMSNorms' normalised values and outputs, the attention residual
   (6 H), q and k after RoPE (RoPE's products by cos / sin keep only cos / sin), v and the attention
@@ -16,7 +18,12 @@ adaptive sampling's generation batch (:func:`dapo_trainer.adaptive_sampling.gen_
   their product (4 I); families add their norms' (q / k norm: 2 q + 2 kv; Gemma's two more
   norms: 4 H) and Gemma's embedding scale H;
   the embedding and final norm add 3 H and RoPE's cos / sin 2 head_dim per rope table (Gemma 3's
-  sliding layers have their own). With activation
+  sliding layers have their own). A mixture-of-experts layer (Qwen3-MoE, ``ModelConfig.is_moe``)
+  keeps, instead of the dense 4 I, the router's fp32 softmax (4 E bytes per token, E = num_experts)
+  and for each of the token's k = num_experts_per_tok routed copies its permuted input, the
+  expert's gate, up, silu(gate), product and down-projection output (2 H + 4 moe_I: the output is
+  kept for the routing weights' gradient): only the active experts' tokens, never E x tokens; Qwen2-MoE's
+  shared expert adds a dense MLP's 4 shared_I. With activation
   checkpointing a layer keeps only its input (H), and one layer is recomputed at a time in the
   backward; activation offload moves the kept inputs to host memory;
 * ``backward``: the gradient of the residual stream entering the backward (2 H per token);
@@ -72,14 +79,25 @@ class Parallel:
     vpp: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
 
 
-def activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, checkpointing: bool) -> Dict[str, float]:
-    """``{"kept": bytes per token kept for the backward, "layer": one layer's full set}``."""
+def layer_activation_bytes(cfg: ModelConfig, layer: int, dtype_bytes: int) -> float:
+    """Bytes per token autograd keeps for decoder layer ``layer`` (module doc: dense or MoE MLP)."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-    layer = (6 * H + 4 * H * cfg.sandwich_norms + (2 + 2 * cfg.qk_norm) * (q + kv) + 4 * I) * dtype_bytes
+    attn = (6 * H + 4 * H * cfg.sandwich_norms + (2 + 2 * cfg.qk_norm) * (q + kv)) * dtype_bytes
+    if cfg.is_moe(layer):
+        return attn + cfg.num_experts_per_tok * (2 * H + 4 * cfg.moe_intermediate_size) * dtype_bytes \
+            + 4 * cfg.num_experts + 4 * cfg.shared_expert_intermediate_size * dtype_bytes
+    return attn + 4 * I * dtype_bytes
+
+
+def activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, checkpointing: bool) -> Dict[str, float]:
+    """``{"kept": bytes per token kept for the backward, "layer": the largest layer's full set,
+    "layers": each layer's full set}``."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    layers = [layer_activation_bytes(cfg, i, dtype_bytes) for i in range(cfg.num_layers)]
     outer = (3 * H + H * cfg.embed_scale + 2 * D * rope_tables(cfg)) * dtype_bytes
-    kept = cfg.num_layers * (H * dtype_bytes if checkpointing else layer) + outer
-    return {"kept": kept, "layer": layer}
+    kept = (cfg.num_layers * H * dtype_bytes if checkpointing else sum(layers)) + outer
+    return {"kept": kept, "layer": max(layers), "layers": layers}
 
 
 def rope_tables(cfg: ModelConfig) -> int:
@@ -98,9 +116,21 @@ def stage_params(cfg: ModelConfig, pp: int = 1, rank: int = 0) -> int:
     if pp == 1:
         return cfg.num_params()
     H, E = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
-    per_layer = (cfg.num_params(embeddings=False) - H) // cfg.num_layers
+    layers = sum(cfg.layer_params(i) for i in _stage_layers(cfg, pp, rank))
     # Under PP the last rank holds lm_head, or with tied embeddings a copy of the embedding.
-    return per_layer * cfg.num_layers // pp + (E if rank == 0 else 0) + (H + E if rank == pp - 1 else 0)
+    return layers + (E if rank == 0 else 0) + (H + E if rank == pp - 1 else 0)
+
+
+def _stage_layers(cfg: ModelConfig, pp: int, rank: int) -> range:
+    """The decoder layers of pipeline rank ``rank``'s contiguous share (for parameter counts)."""
+    per = cfg.num_layers // pp
+    return range(rank * per, (rank + 1) * per)
+
+
+def _rank_layers(num_layers: int, pp: int, vpp: int, rank: int) -> list:
+    """The decoder layers pipeline rank ``rank`` holds: chunks ``rank, rank + pp, ...`` of ``pp x vpp``."""
+    per = num_layers // (pp * vpp)
+    return [i for c in range(rank, pp * vpp, pp) for i in range(c * per, (c + 1) * per)]
 
 
 def in_flight(pp: int, vpp: int, rank: int, micro_batches: int) -> float:
@@ -120,23 +150,28 @@ def stage_memory(cfg: ModelConfig, tokens: int, rank: int = 0, *, dtype: str = "
                          "every pipeline stage needs a micro-batch")
     b = DTYPE_BYTES[dtype]
     first, last = rank == 0, rank == pp - 1
-    P = stage_params(cfg, pp, rank) / (par.tp * par.fsdp)
+    whole = sum(cfg.moe_params(i) for i in _stage_layers(cfg, pp, rank))  # sparse MLPs: not split by TP
+    P = (stage_params(cfg, pp, rank) - whole) / (par.tp * par.fsdp) + whole / par.fsdp
     t = -(-tokens // par.sp)  # tokens this rank holds
     V, H = cfg.vocab_size / par.tp, cfg.hidden_size
     layers = cfg.num_layers // pp
     act = activation_bytes_per_token(cfg, b, checkpointing)
+    held = _rank_layers(cfg.num_layers, pp, v, rank) if pp > 1 else range(cfg.num_layers)
+    others = sum(act["layers"]) - sum(act["layers"][i] for i in held)  # the other ranks' layers
     # One micro-batch through this rank's layers; at pp=1 act["kept"] (its outer 3 H + 2 D on the one rank).
-    kept = (act["kept"] - (cfg.num_layers - layers) * (H * b if checkpointing else act["layer"])
+    kept = (act["kept"] - ((cfg.num_layers - layers) * H * b if checkpointing else others)
             - (0 if last else 3 * H * b) + (0 if last else H * b))
     kept -= layers * H * b if offload and checkpointing else 0
     activations = in_flight(pp, v, rank, micro_batches) * t * kept + (t * act["layer"] if checkpointing else 0)
     activations += (tokens - t) * 2 * cfg.head_dim * rope_tables(cfg) * b  # SP: the other ranks' rows of cos / sin
     rows = max(1, min(t, LOSS_CHUNK_BYTES // (8 * V)))
-    largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp) / par.fsdp
+    experts = 2 * cfg.num_experts * cfg.moe_intermediate_size * H if cfg.num_experts else 0  # stacked gate / up
+    largest = max(V * H if first or last else 0, cfg.intermediate_size * H / par.tp, experts) / par.fsdp
     # FSDP2's unsharded units on this rank: its stage's root (embedding / norm + lm_head) and two layers.
     root = (V * H if first else 0) + (V * H + H if last else 0) - (V * H if first and last and cfg.tie_word_embeddings
                                                                    else 0)
-    layer = (cfg.num_params(embeddings=False) - H) / cfg.num_layers / par.tp
+    layer = max((cfg.layer_params(i) - cfg.moe_params(i)) / par.tp + cfg.moe_params(i)  # sparse MLPs: whole
+                for i in range(cfg.num_layers))
     gathered = (root * b + 2 * layer * b + 4 * layer) if par.fsdp > 1 else 0.0
     out = {"params": P * b, "grads": P * b, "optimizer": 2 * P * b, "optimizer_step": (P if foreach else largest) * b,
            "activations": activations, "backward": t * 2 * H * b,

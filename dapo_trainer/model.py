@@ -1,4 +1,5 @@
-"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 families on packed sequences.
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mistral / Gemma 3 families on
+packed sequences.
 
 One plain model file in the spirit of gpt-fast: parameter names follow Hugging Face
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ...) so checkpoints map one to one
@@ -11,12 +12,18 @@ a pipeline stage (``layers`` is a ModuleDict keyed by the global layer index, an
 Every activation is packed: ``T`` tokens of ``B`` sequences laid end to end, described
 by ``cu_seqlens [B+1]`` int32 (flash-attn's varlen convention). Nothing is padded, so
 no FLOP is spent on padding tokens.
+
+Qwen3-MoE's sparse layers (:class:`SparseMoeBlock`) run ``dapo_kernels``' MoE op (``dk.moe_route``,
+``dk.moe_experts``: routing, expert-contiguous permutation and grouped GEMMs on the device); their
+routing is observable (:meth:`Transformer.trace_routing`: :class:`RouterTrace` records, for the aux
+loss and the load metrics) and replayable (:meth:`Transformer.replay_routing`: router replay).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +61,12 @@ class ModelConfig:
     ``sliding_window`` positions, itself included; None: all) on the layers ``layer_types`` marks
     ``"sliding_attention"`` (None: all layers), whose RoPE base is ``rope_local_theta`` (unscaled;
     None: the global rope). The embedding row ``pad_token_id`` gets no gradient (transformers' ``padding_idx``).
+    Mixture of experts (Qwen3-MoE; ``num_experts > 0``, :class:`SparseMoeBlock`): layer ``i`` is sparse
+    (:meth:`is_moe`) unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``: a router
+    ``[num_experts, H]`` picks ``num_experts_per_tok`` experts per token, each a gated MLP of
+    ``moe_intermediate_size`` units (``norm_topk_prob``: the picked weights renormalised to sum 1);
+    Qwen2-MoE adds to every sparse layer a shared expert of ``shared_expert_intermediate_size`` units
+    (0: none) whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
     ``hf_config`` keeps the checkpoint's own ``config.json`` so that saving writes back
     every field we do not model (token ids, generation settings, ...).
     """
@@ -84,6 +97,13 @@ class ModelConfig:
     layer_types: Optional[Tuple[str, ...]] = None
     rope_local_theta: Optional[float] = None
     pad_token_id: Optional[int] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: Tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
     model_type: str = "llama"
     hf_config: Optional[dict] = field(default=None, repr=False, compare=False)
 
@@ -106,6 +126,16 @@ class ModelConfig:
             if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {SLIDING, FULL}:
                 raise ValueError(f"layer_types must name {SLIDING!r} or {FULL!r} for each of the "
                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts:
+            check_int("num_experts", self.num_experts, minimum=1)
+            check_int("num_experts_per_tok", self.num_experts_per_tok, minimum=1)
+            check_int("moe_intermediate_size", self.moe_intermediate_size, minimum=1)
+            check_int("decoder_sparse_step", self.decoder_sparse_step, minimum=1)
+            check_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0)
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                                 f"({self.num_experts})")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer ``layer`` attends within ``sliding_window``."""
@@ -115,14 +145,37 @@ class ModelConfig:
         """Whether layer ``layer`` (of type sliding, window or not) rotates with ``rope_local_theta``."""
         return self.rope_local_theta is not None and (self.layer_types is None or self.layer_types[layer] == SLIDING)
 
-    def num_params(self, *, embeddings: bool = True) -> int:
-        """Parameter count (tied embeddings counted once)."""
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def moe_params(self, layer: int) -> int:
+        """Parameters of layer ``layer``'s sparse MLP (0 if dense): the router (E H), all ``num_experts``
+        experts (E x 3 H moe_I) and Qwen2-MoE's shared expert with its [1, H] gate. Tensor parallelism keeps
+        them whole on every rank (:mod:`dapo_trainer.parallel.tensor`)."""
+        if not self.is_moe(layer):
+            return 0
+        H, shared = self.hidden_size, self.shared_expert_intermediate_size
+        return self.num_experts * (H + 3 * H * self.moe_intermediate_size) + (3 * H * shared + H if shared else 0)
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer``: attention, norms and its MLP -- dense (3 H I) or sparse
+        (:meth:`moe_params`)."""
         H, D = self.hidden_size, self.head_dim
         q, kv = self.num_heads * D, self.num_kv_heads * D
         attn = H * (q + 2 * kv) + q * H + (q + 2 * kv) * self.qkv_bias + H * self.o_bias
-        mlp = 3 * H * self.intermediate_size + (2 * self.intermediate_size + H) * self.mlp_bias
+        if self.is_moe(layer):
+            mlp = self.moe_params(layer)
+        else:
+            mlp = 3 * H * self.intermediate_size + (2 * self.intermediate_size + H) * self.mlp_bias
         norms = (4 if self.sandwich_norms else 2) * H + 2 * D * self.qk_norm
-        n = self.num_layers * (attn + mlp + norms) + H
+        return attn + mlp + norms
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        """Parameter count (tied embeddings counted once; every expert of an MoE layer counted)."""
+        H = self.hidden_size
+        n = sum(self.layer_params(i) for i in range(self.num_layers)) + H
         if embeddings:
             n += self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
         return n
@@ -261,9 +314,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None):
         super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
@@ -276,6 +329,72 @@ class MLP(nn.Module):
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
+class MoEExperts(nn.Module):
+    """``num_experts`` SwiGLU MLPs stacked as transformers' ``Qwen3MoeExperts`` holds them in memory:
+    ``gate_up_proj [E, 2 moe_I, H]`` (gate rows first) and ``down_proj [E, H, moe_I]`` (checkpoints
+    store them per expert; :mod:`dapo_trainer.hf_io` converts)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x, topk_weights, topk_ids):
+        return dk.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+@dataclass
+class RouterTrace:
+    """One sparse layer's routing in one forward (:meth:`Transformer.trace_routing`)."""
+    layer: int  # the decoder layer's global index
+    logits: torch.Tensor  # [T, E] the router's logits, in the autograd graph (for the aux loss)
+    topk_ids: torch.Tensor  # [T, k] int64, the experts each token ran through (replayed ones included)
+
+
+def replayed_weights(logits: torch.Tensor, topk_ids: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """``dk.moe_route``'s weights for given experts ``topk_ids [T, k]``: their float32 softmax
+    probabilities (renormalised to sum 1 if ``norm_topk_prob``), in ``logits``' dtype."""
+    top = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, topk_ids)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse MLP (transformers' ``Qwen3MoeSparseMoeBlock``): the router ``gate`` ``[E, H]``
+    picks ``num_experts_per_tok`` experts per token (``dk.moe_route``), whose outputs are summed with
+    the routing weights (``dk.moe_experts``). ``replay`` (``[T, k]`` expert ids, or None) replaces the
+    top-k choice (router replay: the weights stay the router's probabilities of those experts); a row
+    holding a negative id keeps the router's own choice (a token whose routing was not recorded)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.layer, self.top_k, self.norm_topk_prob = layer, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = MoEExperts(cfg)
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.replay: Optional[torch.Tensor] = None
+        self.sink: Optional[List[RouterTrace]] = None  # set by Transformer.trace_routing
+
+    def forward(self, x):
+        logits = self.gate(x)
+        weights, ids = dk.moe_route(logits, self.top_k, self.norm_topk_prob)
+        if self.replay is not None:
+            check_tensor(f"layer {self.layer}'s replayed expert ids", self.replay, dtypes=INT_DTYPES,
+                         device=x.device, shape=(x.shape[0], self.top_k))
+            ids = torch.where((self.replay < 0).any(1, keepdim=True), ids, self.replay.long())
+            weights = replayed_weights(logits, ids, self.norm_topk_prob)
+        if self.sink is not None:
+            self.sink.append(RouterTrace(self.layer, logits, ids))
+        out = self.experts(x, weights, ids)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block; with ``sandwich_norms`` (Gemma) ``post_attention_layernorm`` normalises the
     attention output and ``pre_`` / ``post_feedforward_layernorm`` wrap the MLP."""
@@ -286,7 +405,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps, offset)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(H, eps, offset)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg, layer) if cfg.is_moe(layer) else MLP(cfg)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(H, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(H, eps, offset)
@@ -355,7 +474,40 @@ class Transformer(nn.Module):
                     m.bias.zero_()
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(0.0 if m.unit_offset else 1.0)
+            elif isinstance(m, MoEExperts):
+                m.gate_up_proj.normal_(0.0, std)
+                m.down_proj.normal_(0.0, std)
         return self
+
+    def sparse_blocks(self) -> List[SparseMoeBlock]:
+        """The mixture-of-experts MLPs of the layers held, in layer order (none for a dense family)."""
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, SparseMoeBlock)]
+
+    @contextmanager
+    def trace_routing(self) -> Iterator[List[RouterTrace]]:
+        """Within the block, each sparse layer's forward appends its :class:`RouterTrace` to the list
+        yielded (layer order per forward). Forwards outside it -- activation checkpointing's recompute
+        in the backward among them -- record nothing."""
+        traces: List[RouterTrace] = []
+        blocks = self.sparse_blocks()
+        for b in blocks:
+            b.sink = traces
+        try:
+            yield traces
+        finally:
+            for b in blocks:
+                b.sink = None
+
+    def replay_routing(self, topk_ids: Optional[Sequence[torch.Tensor]]) -> None:
+        """Route every following forward by ``topk_ids`` (one ``[T, k]`` per sparse layer held, in
+        layer order: the tokens' recorded experts) until called with None. Kept through the backward,
+        so that activation checkpointing recomputes the same routing."""
+        blocks = self.sparse_blocks()
+        if topk_ids is not None and len(topk_ids) != len(blocks):
+            raise ValueError(f"replay_routing: got expert ids for {len(topk_ids)} layers, the model holds "
+                             f"{len(blocks)} sparse layers")
+        for i, b in enumerate(blocks):
+            b.replay = None if topk_ids is None else topk_ids[i]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, H]`` (Gemma: times ``sqrt(hidden_size)`` rounded to their dtype)."""

@@ -11,7 +11,7 @@ The per-response fields keep :class:`Responses`' names end to end; the accumulat
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -39,6 +39,10 @@ class Responses:
     acc: torch.Tensor = _column(torch.float64)
     reward: torch.Tensor = _column(torch.float64)  # score plus the overlong penalty: advantages come from it
     turns: torch.Tensor = _column(torch.float64)  # assistant turns (single-turn: 1)
+    # Router replay R3: [N, (P + R) x routes], token-major, each token's experts of every sparse layer (routes =
+    # layers x num_experts_per_tok; prompt tokens in columns 0..P-1, response tokens from P; -1: not recorded).
+    # routes = 0 (no column) unless actor.router_replay.mode=R3.
+    routed_experts: torch.Tensor = _column(torch.int64, "routing")
 
 
 @dataclass
@@ -53,8 +57,9 @@ class RolloutShare(Responses):
     failed: torch.Tensor = _column(torch.bool)  # a conversation the environment failed (on_error=drop)
 
     @staticmethod
-    def _widths(prompt_width: int, response_width: int) -> List[int]:
-        w = {"prompt": prompt_width, "response": response_width, None: 1}
+    def _widths(prompt_width: int, response_width: int, routes: int = 0) -> List[int]:
+        w = {"prompt": prompt_width, "response": response_width, "routing": (prompt_width + response_width) * routes,
+             None: 1}
         return [w[f.metadata["width"]] for f in fields(RolloutShare)]
 
     def pack(self) -> torch.Tensor:
@@ -62,15 +67,15 @@ class RolloutShare(Responses):
         return torch.cat([getattr(self, f.name).double().reshape(n, -1) for f in fields(self)], 1)
 
     @classmethod
-    def unpack(cls, table: torch.Tensor, prompt_width: int, response_width: int) -> "RolloutShare":
-        cols = table.split(cls._widths(prompt_width, response_width), 1)
+    def unpack(cls, table: torch.Tensor, prompt_width: int, response_width: int, routes: int = 0) -> "RolloutShare":
+        cols = table.split(cls._widths(prompt_width, response_width, routes), 1)
         return cls(**{f.name: (c if f.metadata["width"] else c[:, 0]).to(f.metadata["dtype"], copy=True)
                       for f, c in zip(fields(cls), cols)})
 
     @classmethod
-    def empty(cls, prompt_width: int, response_width: int) -> "RolloutShare":
-        width = sum(cls._widths(prompt_width, response_width))
-        return cls.unpack(torch.zeros(0, width, dtype=torch.float64), prompt_width, response_width)
+    def empty(cls, prompt_width: int, response_width: int, routes: int = 0) -> "RolloutShare":
+        width = sum(cls._widths(prompt_width, response_width, routes))
+        return cls.unpack(torch.zeros(0, width, dtype=torch.float64), prompt_width, response_width, routes)
 
 
 @dataclass
@@ -124,6 +129,7 @@ class MiniBatchPlan:
     max_token_len: Optional[int]  # the micro-batch token cap (actor.use_dynamic_bsz), else None
     tokens: int  # this rank's tokens in its micro-batches
     shape: Optional[int] = None  # pipeline parallel: the static token count of the pipe
+    all_tokens: int = 0  # tokens (prompt + response) of the whole mini-batch (every rank's)
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,9 @@ class MicroBatch:
     ref_log_prob: Optional[torch.Tensor] = None  # [T], the reference model's (KL loss)
     response_index: Optional[torch.Tensor] = None  # [len(mask_index)] int64, see above
     rollout_is_weights: Optional[torch.Tensor] = None  # [T], algorithm.rollout_correction's IS weights
+    # Router replay: per sparse layer, the [T, k] experts to route each token to -- R2: the old-log-prob
+    # forward's; R3: the rollout's (TrainBatch.routed_experts; -1 rows: the router's own choice).
+    routed_experts: Optional[Tuple[torch.Tensor, ...]] = None
 
     @classmethod
     def empty(cls, device: torch.device) -> "MicroBatch":

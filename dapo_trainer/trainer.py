@@ -208,8 +208,13 @@ class DAPOTrainer:
                               else self.model)
         self.engine = make_rollout(arr.rollout.engine_config(), self.rollout_model)
         self.actor = (PipelinedActor if dims.pp > 1 else Actor)(cfg, dims, self.model, ref_model, device=self.device)
+        # Router replay R3: the sampler records each token's experts (sparse layers x experts per token).
+        routes = 0
+        if arr.rollout.enable_rollout_routing_replay:
+            self.engine.record_routing = True
+            routes = len(self.rollout_model.sparse_blocks()) * self.rollout_model.config.num_experts_per_tok
         self.generation = GenerationStage(cfg, dims, self.tokenizer, self.engine, train_rows, env,
-                                          prompt_cache=train_prompts)
+                                          prompt_cache=train_prompts, routes=routes)
 
         self.global_step = 0
         self.nonfinite_streak = 0  # consecutive steps with a skipped update

@@ -28,6 +28,8 @@ AdvEstimator = Literal["grpo"]
 # algorithm.rollout_correction (verl 0.9.1): the IS weights' level, and the loss of bypass_mode.
 RolloutIsLevel = Literal["token", "sequence"]
 RolloutLossType = Literal["ppo_clip", "reinforce"]  # reinforce: verl's, refused here (rules)
+# actor.router_replay.mode (verl's): none | replay the old-log-prob forward's routing | the rollout's
+RouterReplayMode = Literal["disabled", "R2", "R3"]
 Scorer = Literal["relevance", "coherence"]
 Embedder = Literal["minilm", "ngram"]
 OnError = Literal["raise", "drop"]

@@ -254,6 +254,24 @@ def rollout_correction_has_rollout_log_probs(cfg: Config) -> None:
 
 
 @rule
+def router_replay_supported(cfg: Config) -> None:
+    a, r, key = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, f"{ACTOR}.router_replay.mode"
+    mode, record = a.router_replay.mode, r.enable_rollout_routing_replay
+    require(mode == "disabled" or a.pipeline_model_parallel_size == 1, key,
+            f"{mode!r} with pipeline parallelism ({ACTOR}.pipeline_model_parallel_size="
+            f"{a.pipeline_model_parallel_size}) is not supported: its stages record no routing")
+    require((mode == "R3") == record, f"{ROLLOUT}.enable_rollout_routing_replay",
+            f"records the rollout's routing for {key}=R3 and only for it: got {str(record).lower()} with {mode!r}")
+    if mode == "R3":
+        require(r.name == "embedded", key, f"'R3' needs the embedded sampler's routing ({ROLLOUT}.name=embedded): "
+                f"vLLM's is not read here, got {ROLLOUT}.name={r.name!r}")
+        require(a.ulysses_sequence_parallel_size == 1, key, "'R3' with sequence parallelism "
+                f"({ACTOR}.ulysses_sequence_parallel_size={a.ulysses_sequence_parallel_size}) is not supported")
+        require(not cfg.environment.path, key, "'R3' with a multi-turn environment (environment.path) is not "
+                "supported: the environment's turns are not routed by the sampler")
+
+
+@rule
 def resume_path_given(cfg: Config) -> None:
     t = cfg.trainer
     require(t.resume_mode != "resume_path" or bool(t.resume_from_path), "trainer.resume_from_path",

@@ -13,7 +13,8 @@ from dapo_kernels.validation import CLIP_RATIO_RANGES
 
 from ..rollout.base import EngineSettings, RolloutConfig
 from .choices import (AdvEstimator, Device, Embedder, FilterMetric, KeepPreference, KlType, Logger, LossAggMode,
-                      OnError, OnExhausted, ParamDtype, ResumeMode, RolloutIsLevel, RolloutLossType, Scorer, Strategy,
+                      OnError, OnExhausted, ParamDtype, ResumeMode, RolloutIsLevel, RolloutLossType, RouterReplayMode,
+                      Scorer, Strategy,
                       ThresholdSchedule, Truncation)
 from .fields import ANY, INT32_MAX, above, at_least, setting, within
 
@@ -85,6 +86,8 @@ class RolloutSection(EngineSettings):
     # old-log-prob forward even on-policy, except bypass_mode). Both engines always report them; false (the
     # default, verl's RolloutConfig's; its rollout.yaml says true) leaves the update as it was.
     calculate_log_probs: bool = False
+    # verl's key: the engine records each token's experts (mixture-of-experts models) for router replay R3.
+    enable_rollout_routing_replay: bool = False
 
     def engine_config(self) -> RolloutConfig:
         """The :class:`RolloutConfig` ``make_rollout`` takes."""
@@ -124,6 +127,16 @@ class DynamicTokenLenConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """``actor_rollout_ref.actor.router_replay.*`` (verl's): mixture-of-experts routing reused in training.
+    ``R2``: each training forward routes its tokens as the old-log-prob forward did (recorded there);
+    ``R3``: the old-log-prob and training forwards route as the rollout did (the embedded sampler records it:
+    ``rollout.enable_rollout_routing_replay``)."""
+
+    mode: RouterReplayMode = "disabled"
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy update."""
 
@@ -157,6 +170,10 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = setting(0.001, range=at_least(0))
     kl_loss_type: KlType = "low_var_kl"
+    # Mixture-of-experts models: weight of the router's load-balancing loss (transformers' name; its
+    # config.json value is for pretraining, RL leaves it off). Logged as actor/moe_aux_loss either way.
+    router_aux_loss_coef: float = setting(0.0, range=at_least(0))
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     grad_clip: float = setting(1.0, range=above(0))
     optim: OptimConfig = field(default_factory=OptimConfig)
     # verl's key: the loss's old log-probs are the rollout's (the behaviour policy's, TrainBatch.log_probs)

@@ -29,6 +29,8 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--seed", type=int, default=0, help="task, warm start and RL seed (default 0)")
     p.add_argument("--task", choices=("sort", "dialog"), default="sort",
                    help="sort: the single-turn digit task; dialog: the multi-turn order-status desk")
+    p.add_argument("--family", choices=("llama", "qwen3", "qwen3_moe"), default="llama",
+                   help="the sort task's tiny model: Llama (default), Qwen3 or Qwen3-MoE (8 experts, 2 active)")
     p.add_argument("--config", default=None,
                    help="trainer YAML (default: configs/demo.yaml, or configs/dialog_demo.yaml for --task dialog)")
     p.add_argument("--cache-dir", default=None, help="where the warm-started model is cached")
@@ -49,6 +51,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = parse_args(argv)
     if args.warm_start_steps is not None and args.warm_start_steps < 1:
         raise ValueError(f"--warm-start-steps must be >= 1, got {args.warm_start_steps}")
+    if args.family != "llama" and args.task != "sort":
+        raise ValueError(f"--family {args.family} is for --task sort (the dialog demo's model is a Llama)")
     torch.set_num_threads(args.threads)
     t0 = time.time()
     dialog = args.task == "dialog"
@@ -58,12 +62,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if not args.resume and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
     demo_config = None
-    if args.warm_start_steps is not None:  # (part of the cache key: a short warm start is cached apart)
+    # (Both part of the cache key: a short warm start, or another family, is cached apart.)
+    if args.warm_start_steps is not None or args.family != "llama":
+        given = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
         if dialog:
             from .dialog import DialogDemoConfig as demo_cls
         else:
             from .assets import DemoConfig as demo_cls
-        demo_config = demo_cls(seed=args.seed, warm_start_steps=args.warm_start_steps)
+            given["family"] = args.family
+        demo_config = demo_cls(seed=args.seed, **given)
     result = run_demo(seed=args.seed, config=config,
                       cache_dir=args.cache_dir or (".cache/dapo_demo_dialog" if dialog else ".cache/dapo_demo"),
                       run_dir=run_dir, overrides=args.overrides, task=args.task, demo_config=demo_config)

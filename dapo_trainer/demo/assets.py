@@ -3,7 +3,8 @@
 :func:`build_demo` writes, under ``cache_dir/<hash of the settings>/``:
 
 - ``model/``: an ordinary Hugging Face model directory: ``config.json`` + safetensors
-  (:func:`dapo_trainer.hf_io.save_hf_model`) of a tiny Llama, ``tokenizer.json`` (a
+  (:func:`dapo_trainer.hf_io.save_hf_model`) of a tiny Llama (``DemoConfig.family``: or Qwen3, or
+  Qwen3-MoE), ``tokenizer.json`` (a
   character-level ``tokenizers`` tokenizer) and ``tokenizer_config.json`` with the
   eos / pad tokens, so the trainer (and vLLM) load it like any other checkpoint;
 - ``train.jsonl`` / ``val.jsonl``: the task's rows (:mod:`.arithmetic`);
@@ -46,6 +47,14 @@ __all__ = ["DemoConfig", "DemoAssets", "build_demo", "build_tokenizer", "PAD", "
 # Bump when the build changes in a way the settings do not capture.
 ASSETS_VERSION = 3
 PAD, EOS = "<pad>", "<eos>"
+# DemoConfig.family -> the ModelConfig switches of its tiny model. qwen3_moe: 8 experts of a quarter of the
+# dense MLP's width, 2 active per token, so half the dense MLP's work per token.
+FAMILIES = {
+    "llama": {},
+    "qwen3": dict(model_type="qwen3", qk_norm=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=96, norm_topk_prob=True),
+}
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,11 @@ class DemoConfig:
     # then the sorted digits ("52817:12578"), a response twice as long (the ablation's
     # truncation task, demo/ablation.py; the demo's checker accepts digits only).
     warm_start_verbose: float = 0.0
+    family: str = "llama"  # the tiny model's family: a key of FAMILIES
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"DemoConfig.family must be one of {sorted(FAMILIES)}, got {self.family!r}")
         for name in ("warm_start_descending", "warm_start_verbose"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -86,6 +98,8 @@ class DemoConfig:
         d["task"] = self.task.to_dict()
         if not self.warm_start_verbose:  # keeps the cache key of the settings from before the field
             del d["warm_start_verbose"]
+        if self.family == "llama":  # likewise
+            del d["family"]
         return d
 
     def key(self) -> str:
@@ -154,7 +168,7 @@ def _model_config(cfg: DemoConfig, vocab_size: int, eos_id: int, pad_id: int) ->
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-        hf_config={"eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": None},
+        hf_config={"eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": None}, **FAMILIES[cfg.family],
     )
 
 

@@ -13,7 +13,12 @@ lm_head                    :class:`VocabParallelLMHead`    vocabulary rows r (sa
                                                            embedding, so tying survives)
 q_norm, k_norm (per head)  unchanged                       replicated; gradient summed over the
                                                            group by :func:`tp_grad_sync`
+SparseMoeBlock (Qwen3-MoE) unchanged                       replicated: router and every expert
 =========================  ==============================  =====================================
+
+A sparse MoE layer runs whole on every rank of the group (its input, the residual stream, is
+replicated; so are its output and its gradients, as a norm's): experts are not split over TP ranks
+(that, or experts over ranks, is expert parallelism, not built here). FSDP2 shards them as any weight.
 
 Each attention / MLP block then costs one all-reduce in forward and one in backward, as
 Megatron's conjugate operators f / g: the block's input passes through ``copy_to_tp``
@@ -41,7 +46,7 @@ from torch import nn
 
 import dapo_kernels as dk
 
-from ..model import Transformer
+from ..model import SparseMoeBlock, Transformer
 from .collectives import copy_to_tp, gather_from_tp, reduce_from_tp
 
 TP_KEY = "actor_rollout_ref.actor.tensor_model_parallel_size"
@@ -188,8 +193,10 @@ def parallelize(model: Transformer, tp_group) -> Transformer:
         return model
     for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
-        for block, cols, row in ((attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                                 (mlp, ("gate_proj", "up_proj"), "down_proj")):
+        blocks = [(attn, ("q_proj", "k_proj", "v_proj"), "o_proj")]
+        if not isinstance(mlp, SparseMoeBlock):  # a sparse one stays replicated (module doc)
+            blocks.append((mlp, ("gate_proj", "up_proj"), "down_proj"))
+        for block, cols, row in blocks:
             for lin in cols:
                 setattr(block, lin, ColumnParallelLinear(getattr(block, lin), tp_group, copy_input=False))
             setattr(block, row, RowParallelLinear(getattr(block, row), tp_group))

@@ -92,6 +92,10 @@ class RolloutOutput:
         finish_reasons: ``N`` strings, "stop" (a stop token was sampled) or "length".
         group_index: ``[N]`` int64 prompt index of each response (for ``dk.group_filter``).
         n: samples per prompt; responses ``k*n .. k*n+n-1`` answer prompt ``k``.
+        routed_experts: mixture-of-experts models, when the engine records routing (the embedded
+            sampler's ``record_routing``): ``[T', L, k]`` int64 in :meth:`sequences`' token order, the
+            ``k`` experts each of the ``L`` sparse layers ran each token through; a -1 row for each
+            response's last token (its routing reaches no trained log-prob); else None.
     """
 
     prompt_ids: List[List[int]]
@@ -102,6 +106,7 @@ class RolloutOutput:
     finish_reasons: List[str]
     group_index: torch.Tensor
     n: int
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def num_responses(self) -> int:

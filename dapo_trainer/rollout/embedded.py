@@ -27,7 +27,7 @@ every rank's responses have finished, and a rank without prompts joins with an e
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -180,6 +180,49 @@ class _Recorder:
         )
 
 
+class _RouteRecorder:
+    """The sparse layers' expert choices of a generate call: the packed prompts' at prefill, each
+    response token's at the decode step that ran it; -1 for each response's last token (sampled, run
+    only when its batch row ran on: its routing reaches no trained log-prob, so none is kept)."""
+
+    def __init__(self, model: Transformer, num: int, max_new: int):
+        self.model = model
+        L, k = len(model.sparse_blocks()), model.config.num_experts_per_tok
+        self.responses = torch.full((num, max_new, L, k), -1, dtype=torch.int64)
+        self.prompts = torch.zeros(0, L, k, dtype=torch.int64)
+
+    @staticmethod
+    def _stacked(traces) -> torch.Tensor:
+        return torch.stack([t.topk_ids for t in traces], 1).cpu()  # [T, L, k]
+
+    @contextmanager
+    def prefill(self):
+        with self.model.trace_routing() as traces:
+            yield
+        if traces:
+            self.prompts = self._stacked(traces)
+
+    @contextmanager
+    def decode(self, rows: torch.Tensor, step: int):
+        """The step that runs response token ``step`` of ``rows``."""
+        with self.model.trace_routing() as traces:
+            yield
+        if traces:
+            self.responses[rows, step] = self._stacked(traces)
+
+    def output(self, out: RolloutOutput) -> torch.Tensor:
+        """``[T', L, k]`` in ``out.sequences()``' order."""
+        starts = [0]
+        for p in out.prompt_ids:
+            starts.append(starts[-1] + len(p))
+        parts = []
+        for r, g in enumerate(out.group_index.tolist()):
+            n = int(out.lengths[r])
+            self.responses[r, n - 1] = -1
+            parts += [self.prompts[starts[g]:starts[g + 1]], self.responses[r, :n]]
+        return torch.cat(parts)
+
+
 def _packed(prompts: List[List[int]], device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids [T], cu_seqlens [B+1] int32, lengths [B] int64)`` of lists laid end to end."""
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
@@ -227,6 +270,9 @@ class EmbeddedRollout(RolloutEngine):
         # continue under them (their prompts and tokens so far prefilled again); earlier tokens keep the
         # log-probs of the weights that sampled them. None: never interrupted.
         self.interrupt: Optional[Callable[[], bool]] = None
+        # Mixture-of-experts models: record each token's experts (RolloutOutput.routed_experts), for
+        # router replay of the rollout's routing (verl's R3).
+        self.record_routing = False
         self.update_weights(model)
 
     def update_weights(self, model: Transformer) -> None:
@@ -274,8 +320,10 @@ class EmbeddedRollout(RolloutEngine):
         w_out = model.lm_head.weight.float()
         tp_group = tensor_parallel_group(model)
         rec = _Recorder(len(keys), max_new_tokens, stops)
+        routes = _RouteRecorder(model, len(keys), max_new_tokens) if self.record_routing else None
 
-        last_hidden, caches, lengths = self._prefill(prompts, max_new_tokens)
+        with routes.prefill() if routes else nullcontext():
+            last_hidden, caches, lengths = self._prefill(prompts, max_new_tokens)
         rows = torch.arange(len(keys))                  # output row of each live batch row
         # The n samples of a prompt share its prefill: expand prompt-level state to responses.
         h = last_hidden.repeat_interleave(n, 0)
@@ -303,9 +351,13 @@ class EmbeddedRollout(RolloutEngine):
                 width = int(pos.max())
                 continue
             width += 1
-            h = self._decode_step(tok, pos, caches, width)
+            with routes.decode(rows, step) if routes else nullcontext():
+                h = self._decode_step(tok, pos, caches, width)
             pos = pos + 1
-        return rec.output(prompts, n)
+        out = rec.output(prompts, n)
+        if routes:
+            out.routed_experts = routes.output(out)
+        return out
 
     def _prefill(self, prompts: List[List[int]], max_new_tokens: int):
         """Run the distinct prompts packed; return the last hidden state per prompt

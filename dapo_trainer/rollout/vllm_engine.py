@@ -16,7 +16,9 @@ so the tensors reach the worker without serialisation (vLLM's msgpack RPC decode
 tensors as raw buffers). vLLM's tensor parallelism (``tensor_model_parallel_size > 1``, GPUs
 only: refused on the CPU) runs its workers in other processes, which tensors cannot reach:
 there the policy goes through an HF checkpoint in ``model_dir``, rewritten at every update
-and reloaded in place (``reload_weights(weights_path=...)``).
+and reloaded in place (``reload_weights(weights_path=...)``, the tied lm_head rebuilt likewise).
+Every family the trainer loads (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral, Gemma 3) syncs by its HF names
+(``hf_weights``), both ways (tests/trainer/test_rollout_vllm_families.py).
 
 Log-probs: vLLM runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax
 of ``logits / temperature`` (greedy: temperature 1) -- the convention of :mod:`.base`.
@@ -41,7 +43,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..hf_io import hf_name, save_hf_model, write_hf_config
+from ..hf_io import hf_tensors, save_hf_model, write_hf_config
 from ..model import Transformer
 from .base import FINISH_LENGTH, FINISH_STOP, RolloutConfig, RolloutEngine, RolloutOutput, check_generate_args, \
     pack_responses
@@ -51,14 +53,14 @@ from .embedded import request_keys
 def hf_weights(model: Transformer) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` of every weight of ``model``, gathered one at a time when it is
     tensor parallel or FSDP2-sharded (collective: every rank of its groups iterates it whole).
-    A tied lm_head is left out, as in an HF checkpoint."""
+    A tied lm_head is left out, as in an HF checkpoint; stacked experts go per expert, as there."""
     from ..parallel import tensor_parallel_group, tp_shard_dims, unshard
 
     dims, group = tp_shard_dims(model), tensor_parallel_group(model)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        yield hf_name(name), unshard(t, dims.get(name), group).detach()
+        yield from hf_tensors(name, unshard(t, dims.get(name), group).detach())
 
 
 def _load_weights(worker, weights) -> None:
@@ -70,6 +72,17 @@ def _load_weights(worker, weights) -> None:
     rebuilt here from the shared, now new, weight.
     """
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    _rebuild_tied_head(worker)
+
+
+def _reload_checkpoint(worker, path: str) -> None:
+    """Runs on each of vLLM's workers (other processes under TP > 1): the in-place reload of the HF
+    checkpoint ``path``; a tied lm_head is rebuilt as in :func:`_load_weights` (that reload skips it too)."""
+    worker.reload_weights(weights_path=path)
+    _rebuild_tied_head(worker)
+
+
+def _rebuild_tied_head(worker) -> None:
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
@@ -193,7 +206,7 @@ class VLLMRollout(RolloutEngine):
             self.llm.collective_rpc(_load_weights, args=(hf_weights(model),))
         else:
             self._write_checkpoint(model)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.model_dir})
+            self.llm.collective_rpc(_reload_checkpoint, args=(self.model_dir,))
         self.llm.reset_prefix_cache()
 
     def _write_checkpoint(self, model: Transformer) -> None:

@@ -4,7 +4,8 @@
 --model PATH [--dataset PATH] [--profile profile.json] [--output FILE]``
 
 PATH is a HF model directory of which only ``config.json`` is read (a 7B or 32B model is planned
-without its weights). The memory side rests on :mod:`dapo_trainer.memory_model`; the batch side on
+without its weights). A Qwen3-MoE ``config.json`` counts all experts' weights and Adam states and the active
+experts' activations. The memory side rests on :mod:`dapo_trainer.memory_model`; the batch side on
 the expected keep rate of dynamic sampling (the profile's measured one when given, else a prior per
 task) and, with ``--dataset``, the prompts' length distribution (tokens when the model directory
 has a tokenizer, else characters / 3.5). The YAML loads with ``--config`` in the trainer; model and
@@ -145,7 +146,9 @@ def tune(task_type: str, hardware: str, model_dir: str, dataset: Optional[str] =
     def put(key, value, reason):
         out.append((key, value, reason))
 
-    put("trainer.device", hw.device, f"{hardware}: {hw.devices} x {hw.memory / GIB:.0f} GiB {hw.device} device(s)")
+    put("trainer.device", hw.device, f"{hardware}: {hw.devices} x {hw.memory / GIB:.0f} GiB {hw.device} device(s)"
+        + (f"; {cfg.model_type}: {cfg.num_experts} experts, {cfg.num_experts_per_tok} active per token"
+           if cfg.num_experts else ""))
     put("actor_rollout_ref.model.dtype", hw.dtype,
         "bfloat16 halves parameters, gradients, Adam states and activations on accelerators" if b == 2 else
         "float32 on the CPU (no fast bfloat16 matmuls there)")

@@ -8,6 +8,7 @@ import pytest
 
 from dapo_trainer.demo import DemoConfig, TaskConfig, build_demo, read_metrics, run_demo
 from dapo_trainer.demo.arithmetic import make_split, sample_problem
+from dapo_trainer.hf_io import read_hf_config
 from dapo_trainer.rewards import default_compute_score
 
 # A model and warm start small enough for a unit test (seconds, one core).
@@ -96,6 +97,25 @@ def test_main_job_smoke(tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2] and "val/acc" in rows[0] and "val/acc" in rows[-1]
     assert os.path.isfile(write_report(run_dir))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_family_switch_smoke(tmp_path, family):
+    """DemoConfig.family (--family): the warm start and two DAPO steps on a tiny Qwen3 / Qwen3-MoE; its
+    checkpoint says the family, and the MoE run logs its routers' load."""
+    run_dir = str(tmp_path / "run")
+    res = run_demo(seed=1, cache_dir=str(tmp_path / "cache"), run_dir=run_dir, progress=False,
+                   demo_config=DemoConfig(seed=1, family=family, **TINY),
+                   overrides=["trainer.total_training_steps=2", "trainer.save_freq=0", "data.gen_batch_size=4",
+                              "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                              "actor_rollout_ref.rollout.n=4", "algorithm.filter_groups.enable=false",
+                              "trainer.progress_bar=false", "trainer.logger=[console]"])
+    assert read_hf_config(res["assets"].model_dir).model_type == family
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert ("actor/moe_load_max" in rows[-1]) == (family == "qwen3_moe")
+    with pytest.raises(ValueError, match="DemoConfig.family must be one of"):
+        DemoConfig(family="mixtral")
 
 
 def test_warm_start_targets_mix_conventions():

@@ -1,10 +1,13 @@
-"""Qwen3, Mistral and Gemma 3 (text) through load_hf_model / save_hf_model: parity with transformers.
+"""Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral and Gemma 3 (text) through load_hf_model / save_hf_model: parity with
+transformers.
 
 The same checks as the Llama / Qwen2 parity tests of test_model.py (logits within 1e-5 relative in float32,
 parameter gradients against float64, save -> from_pretrained), on tiny random models built with transformers
 (nothing downloaded) whose family features all act: per-head q/k norms, head_dim != hidden / heads, tied
 embeddings, a sliding window shorter than the packed sequences, Gemma's (1 + w) norms, embedding scale,
-query_pre_attn_scalar, GELU-tanh, sandwich norms, interleaved sliding / full layers with their own ropes.
+query_pre_attn_scalar, GELU-tanh, sandwich norms, interleaved sliding / full layers with their own ropes,
+Qwen3-MoE's sparse layers (decoder_sparse_step / mlp_only_layers leaving dense ones between them,
+norm_topk_prob both ways, experts saved per expert as transformers saves them).
 """
 from __future__ import annotations
 
@@ -39,6 +42,19 @@ FAMILIES = {
         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+    # Sparse layers 0, 2, 3 (layer 1 in mlp_only_layers), the chosen probabilities renormalised.
+    "qwen3-moe-norm": ("Qwen3Moe", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True, mlp_only_layers=[1])),
+    # Qwen2-MoE: q/k/v bias, no q/k norm, a gated shared expert beside the routed ones; layer 0 dense.
+    "qwen2-moe-shared": ("Qwen2Moe", dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                          num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, mlp_only_layers=[0])),
+    # Sparse layers 1, 3 (decoder_sparse_step 2), raw probabilities as weights, tied embeddings.
+    "qwen3-moe-step2-tied": ("Qwen3Moe", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                                              head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2,
+                                              tie_word_embeddings=True)),
 }
 
 # The same families as ModelConfig switches, for trainer runs on write_tiny_model's checkpoints.
@@ -47,6 +63,8 @@ TRAINER_FAMILIES = {
     "gemma3": dict(model_type="gemma3_text", qk_norm=True, norm_unit_offset=True, hidden_act="gelu_pytorch_tanh",
                    embed_scale=True, sandwich_norms=True, query_pre_attn_scalar=24, sliding_window=4,
                    layer_types=(SLIDING, FULL), rope_local_theta=1e4, tie_word_embeddings=True),
+    "qwen3-moe": dict(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=True),
 }
 
 
@@ -75,7 +93,8 @@ def test_config_round_trips(hf_checkpoint):
     _, hf, path = hf_checkpoint
     cfg = read_hf_config(path)
     assert config_from_hf(config_to_hf(cfg)) == cfg
-    assert cfg.model_type == hf.config.model_type and cfg.head_dim == hf.config.head_dim
+    head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert cfg.model_type == hf.config.model_type and cfg.head_dim == head_dim  # Qwen2-MoE: no head_dim key
 
 
 def test_gemma3_release_dialect_reads_alike(tmp_path):
@@ -111,22 +130,29 @@ def test_unsupported_family_config_is_named(model_type, changes, message):
         config_from_hf({**base, **changes})
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3-moe"])
 def test_on_policy_trainer_step(tmp_path, family):
-    """A DAPO step on a tiny Qwen3 / Gemma 3 checkpoint: the sampler's log-probs are the trainer's
-    (one mini-batch, one epoch: nothing clips, ppo_kl ~ 0) and the checkpoint it saves reloads."""
+    """A DAPO step on a tiny Qwen3 / Gemma 3 / Qwen3-MoE checkpoint: the sampler's log-probs are the trainer's
+    (one mini-batch, one epoch: nothing clips, ppo_kl ~ 0) and the checkpoint it saves reloads; an MoE
+    model logs its routers' load."""
     overrides = micro_setup(str(tmp_path)) + ["trainer.total_training_steps=1", "trainer.val_before_train=false",
                                               "data.val_files=[]", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                               "trainer.save_freq=1"]
     write_tiny_model(os.path.join(tmp_path, "model"), layers=2, **TRAINER_FAMILIES[family])
     m = DAPOTrainer(load_config(overrides=overrides)).fit()
     assert m["actor/pg_clipfrac"] == 0.0 and abs(m["actor/ppo_kl"]) < 1e-5
+    if family == "qwen3-moe":  # 2 sparse layers x 4 experts, top-2: the aux loss is 2 (k) when balanced, <= E
+        assert 0.0 < m["actor/moe_aux_loss"] <= 4.0 and m["actor/moe_load_max"] >= 1.0 >= m["actor/moe_load_min"]
+        assert 0.0 <= m["actor/moe_idle_experts"] < 1.0
+    else:
+        assert not [k for k in m if k.startswith("actor/moe_")]
     saved = read_hf_config(os.path.join(tmp_path, "run", "checkpoints", "global_step_1", "model"))
     assert saved == read_hf_config(os.path.join(tmp_path, "model"))
 
 
 def test_supported_list_names_the_families():
     """The error for an unknown model_type lists every family."""
-    with pytest.raises(ValueError, match=r"supported: \['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3'\]"):
-        config_from_hf(dict(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+    with pytest.raises(ValueError, match=r"supported: \['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen2_moe', "
+                                         r"'qwen3', 'qwen3_moe'\]"):
+        config_from_hf(dict(model_type="mixtral", vocab_size=32, hidden_size=16, intermediate_size=32,
                             num_hidden_layers=2, num_attention_heads=2))

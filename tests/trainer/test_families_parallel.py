@@ -1,12 +1,14 @@
-"""Qwen3, Mistral and Gemma 3 (text) through the parallel layouts: a trainer step at TP=2, FSDP2 (DP=2),
-PP=2 and, for the sliding-window families, Ulysses SP=2 equals one process's.
+"""Qwen3, Qwen3-MoE, Mistral and Gemma 3 (text) through the parallel layouts: a trainer step at TP=2, FSDP2
+(DP=2), PP=2 and, for the sliding-window families and Qwen3-MoE, Ulysses SP=2 equals one process's.
 
 Tiny random models built by transformers (nothing downloaded, as test_families.py does) with the family
 features that parallelism touches: per-head q/k norms (replicated under TP, their partial gradients summed
 over the TP group), tied embeddings (vocabulary-parallel under TP, a copy on the last stage under PP), a
 ``pad_token_id`` (``padding_idx``), a sliding window shorter than the sequences (under SP: attention over
 whole sequences of a head shard), Gemma's embedding scale and interleaved sliding / full layers with their
-own ropes (a PP stage keeps each layer's type: layer 1, full, is stage 1's only layer).
+own ropes (a PP stage keeps each layer's type: layer 1, full, is stage 1's only layer), Qwen3-MoE's sparse
+layers (replicated under TP, experts sharded by FSDP2, one per PP stage, token shards routed under SP; the
+router load metrics equal one process's too; router replay R2 and R3 at TP=2 and FSDP2).
 One spawn of 2 gloo processes runs every scenario (test_pipeline.py's harness): the train batch, the first
 step's metrics, every gradient and the updated weights equal one process's within fp32 reduction noise.
 A layout a model cannot take is refused at start-up, naming the key (Gemma 3 1B's single KV head at TP=2).
@@ -36,6 +38,9 @@ FAMILIES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
 }
+# Separate from FAMILIES: its own test, so that the dense families' spawn does not grow.
+MOE = {"qwen3-moe": ("Qwen3Moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))}
 TP = ["actor_rollout_ref.actor.tensor_model_parallel_size=2"]
 LAYOUTS = {"tp2": TP, "fsdp2": ["actor_rollout_ref.actor.strategy=fsdp2"], "pp2": PP,
            "sp2": ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]}
@@ -47,7 +52,7 @@ def write_family_model(path: str, family: str, **changes) -> str:
     from tests.trainer.test_model import make_hf_model
 
     vocab = write_char_tokenizer(path)
-    cls, kw = FAMILIES[family]
+    cls, kw = {**FAMILIES, **MOE}[family]
     with torch.random.fork_rng():
         torch.manual_seed(0)
         hf = make_hf_model(cls, {**kw, **_SPECIALS, "vocab_size": (vocab + 3) // 4 * 4, **changes})
@@ -57,7 +62,7 @@ def write_family_model(path: str, family: str, **changes) -> str:
 
 def _setup(root: str, tied: bool = False) -> list:
     base = micro_setup(root) + RUN
-    for family in FAMILIES:
+    for family in (*FAMILIES, *MOE):
         write_family_model(os.path.join(root, family), family)
     # Gemma 3 1B's attention: 4 query heads, 1 KV head (TP=2 cannot split it).
     write_family_model(os.path.join(root, "gemma3-kv1"), "gemma3", num_key_value_heads=1)
@@ -81,6 +86,22 @@ def test_families_tp2_fsdp2_pp2_sp2_equal_one_process(tmp_path):
         for part in ("num_kv_heads (1) must be divisible by the tensor-parallel size 2",
                      "actor_rollout_ref.actor.tensor_model_parallel_size=2", "gemma3_text"):
             assert part in msg, msg
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_qwen3_moe_tp2_fsdp2_pp2_sp2_equal_one_process(tmp_path):
+    """Each layout, and router replay R2 (two epochs: the old-log-prob pass records, the update replays)
+    and R3 (the rollout's routing through the all-gathered train batch) at TP=2 and FSDP2, against one
+    process with the same settings."""
+    moe = _model(tmp_path, "qwen3-moe")
+    scenarios = {f"qwen3-moe-{name}": moe + layout for name, layout in LAYOUTS.items()}
+    r2 = ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_epochs=2"]
+    r3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.actor.ppo_epochs=2",
+          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    for mode, extra in (("r2", r2), ("r3", r3)):
+        scenarios.update({f"qwen3-moe-{mode}-{name}": moe + extra + LAYOUTS[name] for name in ("tp2", "fsdp2")})
+    _spawn_and_compare(tmp_path, 2, scenarios, setup=_setup)
 
 
 @pytest.mark.parametrize("pp, v", [(2, 1), (2, 2)])

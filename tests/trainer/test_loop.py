@@ -223,8 +223,10 @@ def test_non_finite_gradients_stop_the_run_after_max_nonfinite_steps(tmp_path, m
     assert not os.path.exists(os.path.join(root, "run", "checkpoints", "global_step_2"))
 
 
-def test_rollout_share_pack_unpack_round_trip():
-    """A rollout share read back from its packed float64 table has every field's values and dtype."""
+@pytest.mark.parametrize("routes", [0, 6])
+def test_rollout_share_pack_unpack_round_trip(routes):
+    """A rollout share read back from its packed float64 table has every field's values and dtype (routes:
+    router replay R3's expert ids per token, 0 without)."""
     from dataclasses import fields
 
     from dapo_trainer.generation import RolloutShare
@@ -239,12 +241,14 @@ def test_rollout_share_pack_unpack_round_trip():
         stopped=torch.rand(N, generator=g) > 0.5, score=torch.randn(N, generator=g, dtype=torch.float64),
         acc=torch.rand(N, generator=g, dtype=torch.float64), reward=torch.randn(N, generator=g, dtype=torch.float64),
         filter_metric=torch.randn(N, generator=g, dtype=torch.float64), failed=torch.rand(N, generator=g) > 0.5,
-        turns=torch.randint(1, 4, (N,), generator=g).double())
+        turns=torch.randint(1, 4, (N,), generator=g).double(),
+        routed_experts=torch.randint(-1, 128, (N, (P + R) * routes), generator=g))
     table = share.pack()
-    assert table.dtype == torch.float64 and table.shape == (N, P + 3 * R + 9)
-    back = RolloutShare.unpack(table, P, R)
+    assert table.dtype == torch.float64 and table.shape == (N, P + 3 * R + 9 + (P + R) * routes)
+    back = RolloutShare.unpack(table, P, R, routes)
     for f in fields(RolloutShare):
         a, b = getattr(share, f.name), getattr(back, f.name)
         assert a.dtype == b.dtype and torch.equal(a, b), f.name
-    empty = RolloutShare.empty(P, R)
+    empty = RolloutShare.empty(P, R, routes)
     assert empty.prompt_ids.shape == (0, P) and empty.sampled.shape == (0, R) and empty.score.shape == (0,)
+    assert empty.routed_experts.shape == (0, (P + R) * routes)

@@ -138,7 +138,9 @@ def check_gradients(variant, hf, path, lengths=(9, 14, 3)):
     for n, _ in model.named_parameters():
         k = n if n.startswith("lm_head") else "model." + n
         key[n] = k if k in theirs else "model.embed_tokens.weight"  # tied: listed once, as the embedding
-    hf64 = type(hf).from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
+    # Eager experts too (MoE families): torch's grouped_mm, transformers' default, has no float64.
+    hf64 = type(hf).from_pretrained(path, attn_implementation="eager", experts_implementation="eager",
+                                    dtype=torch.float64).eval()
     hf_sdpa = type(hf).from_pretrained(path, attn_implementation="sdpa").eval()
     assert next(hf64.parameters()).dtype == torch.float64
     ours_err = theirs_err = parity = 0.0

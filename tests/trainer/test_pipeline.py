@@ -46,6 +46,8 @@ SCENARIOS_4 = {
 EXACT = ("critic/rewards/mean", "acc/mean", "response_length/mean", "train/gen_tokens", "actor/num_updates")
 CLOSE = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac")
 RTOL, ATOL = 1e-5, 1e-7
+# Mixture-of-experts models' router load: sums over every token, whatever the layout (PP logs none).
+MOE_LOAD = ("actor/moe_load_max", "actor/moe_load_min", "actor/moe_idle_experts")
 # Adam's first step is lr * g / (|g| + eps): an entry whose gradient is at the noise floor moves by a
 # fraction of lr (seen: 3e-5 under TP) although the gradients agree to 1e-6; those are compared directly.
 WEIGHT_ATOL = 1e-4
@@ -95,7 +97,7 @@ def _run(overrides) -> dict:
     replica = (None if trainer.rollout_model is trainer.model else
                {k: v.detach().clone() for k, v in trainer.rollout_model.state_dict().items()})
     return {"metrics": metrics, "batch": batches[0], "weights": weights, "initial": initial, "grads": grads,
-            "replica": replica}
+            "replica": replica, "pp": trainer.actor.dims.pp}
 
 
 def _fit_curve(overrides) -> list:
@@ -156,6 +158,11 @@ def _compare(single: dict, got: dict, name: str) -> list:
     for key in EXACT:
         if m[key] != ref[key]:
             fails.append(f"{name}: {key} {m[key]} != {ref[key]}")
+    for key in (k for k in MOE_LOAD if k in ref):
+        if key not in m and got["pp"] == 1:
+            fails.append(f"{name}: {key} missing")
+        elif key in m and abs(m[key] - ref[key]) > RTOL * abs(ref[key]) + ATOL:
+            fails.append(f"{name}: {key} {m[key]} vs {ref[key]}")
     for key in CLOSE + (("actor/kl_loss",) if "actor/kl_loss" in ref else ()):
         if abs(m[key] - ref[key]) > RTOL * abs(ref[key]) + ATOL:
             fails.append(f"{name}: {key} {m[key]} vs {ref[key]}")

@@ -32,6 +32,9 @@ FAMILIES = {
                    sandwich_norms=True, query_pre_attn_scalar=24, sliding_window=4, layer_types=(SLIDING, FULL),
                    rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True, model_type="gemma3_text"),
     "softcap": dict(attn_logit_softcapping=0.5, sliding_window=4),
+    # Layer 0 sparse (6 experts, top-2, renormalised), layer 1 dense (mlp_only_layers).
+    "qwen3-moe": dict(qk_norm=True, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=(1,), model_type="qwen3_moe"),
 }
 
 
@@ -337,3 +340,42 @@ def test_interrupted_generation_continues_under_the_new_weights(model, engine):
     for (ti, li), (tw, lw) in zip(head(out), head(whole)):
         assert torch.equal(ti, tw) and torch.allclose(li, lw, atol=1e-5)
     assert not torch.equal(out.log_probs, whole.log_probs) or not torch.equal(out.lengths, whole.lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sampler_routing_replays_in_the_training_forward(dtype):
+    """record_routing: the sampler's expert ids per token and sparse layer (prefill and decode) replayed in
+    one packed forward of prompt + response are the experts that forward runs (identical choice; a token the
+    sampler never ran keeps the router's own); the rollout-vs-training log-prob mismatch with and without
+    the replay is printed (bf16: decode and packed forward round differently, so routing can flip)."""
+    torch.manual_seed(5)
+    model = tiny_model(std=0.3, qk_norm=True, num_layers=3, num_experts=16, num_experts_per_tok=4,
+                       moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=(1,),
+                       model_type="qwen3_moe").to(dtype)
+    engine = make_rollout(RolloutConfig(name="embedded"), model)
+    engine.record_routing = True
+    out = engine.generate(random_prompts(6), 4, 20, temperature=1.0, seed=3)
+    ids, cu, mask = out.sequences()
+    routed = out.routed_experts
+    assert routed.shape == (ids.shape[0], 2, 4) and routed.dtype == torch.int64
+    unrun = (routed < 0).any(-1).any(-1)
+    assert bool((routed[~unrun] < 16).all()) and int(unrun.sum()) == out.num_responses  # each response's last token
+    assert bool(unrun[out.cu_seqlens[1:].long() + torch.tensor([len(out.prompt_ids[g]) for g in out.group_index])
+                      .cumsum(0) - 1].all())
+    assert not bool(unrun[~mask].any())  # every prompt token ran at prefill
+    mismatch, choice = {}, {}
+    for replay in (False, True):
+        model.replay_routing([routed[:, layer] for layer in range(2)] if replay else None)
+        with model.trace_routing() as traces:
+            lp, *_ = recomputed_log_probs(model, out, 1.0)
+        model.replay_routing(None)
+        ran = torch.stack([t.topk_ids for t in traces], 1)
+        choice[replay] = int((ran[~unrun] != routed[~unrun]).any(-1).any(-1).sum())
+        mismatch[replay] = (lp - out.log_probs).abs()
+    print(f"{dtype}: tokens routed otherwise than by the sampler: {choice[False]} of {int((~unrun).sum())} without "
+          f"replay, {choice[True]} with; |log-prob mismatch| mean / max: without "
+          f"{mismatch[False].mean():.2e} / {mismatch[False].max():.2e}, with {mismatch[True].mean():.2e} / "
+          f"{mismatch[True].max():.2e}")
+    assert choice[True] == 0
+    bound = 1e-4 if dtype == torch.float32 else 0.05
+    assert mismatch[True].mean() < bound and mismatch[True].mean() <= mismatch[False].mean() + bound / 10

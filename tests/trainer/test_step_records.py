@@ -97,7 +97,8 @@ def test_agent_loop_follows_the_environment(tmp_path):
 
 def test_old_checkpoint_accumulator_keys_load_as_train_batch_fields(tmp_path):
     """Carried-over groups saved under the accumulator's former keys (``rollout_log_prob``,
-    ``response_mask``, ``truncated``, ``num_turns``) load and are taken as the same TrainBatch."""
+    ``response_mask``, ``truncated``, ``num_turns``), and before ``routed_experts`` existed, load and are
+    taken as the same TrainBatch."""
     trainer = DAPOTrainer(load_config(overrides=micro_setup(str(tmp_path)) + ["trainer.val_before_train=false"]))
     gen = trainer.generation
     gb = gen.generation_batch(1, 0)
@@ -106,7 +107,9 @@ def test_old_checkpoint_accumulator_keys_load_as_train_batch_fields(tmp_path):
     new = {"prompt_ids": "prompt_ids", "prompt_len": "prompt_len", "response_ids": "response_ids",
            "response_len": "response_len", "log_probs": "rollout_log_prob", "sampled": "response_mask",
            "advantages": "advantages", "score": "score", "acc": "acc", "reward": "reward", "turns": "num_turns"}
-    old_chunks = [{**{new[k]: v for k, v in c.items() if k != "stopped"}, "truncated": ~c["stopped"]}
+    assert all(c["routed_experts"].shape[1] == 0 for c in state["accumulator"]["chunks"])  # no R3: empty
+    old_chunks = [{**{new[k]: v for k, v in c.items() if k not in ("stopped", "routed_experts")},
+                   "truncated": ~c["stopped"]}
                   for c in state["accumulator"]["chunks"]]
     old = {**state, "accumulator": {**state["accumulator"], "chunks": old_chunks,
                                     "keys": tuple(sorted(old_chunks[0]))}}

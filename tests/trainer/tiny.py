@@ -100,7 +100,7 @@ def train_batch(**given) -> TrainBatch:
     """A :class:`TrainBatch` of the ``given`` fields (``prompt_ids`` and ``response_ids`` among
     them), every other field zeros of its dtype and width."""
     (n, p), r = given["prompt_ids"].shape, given["response_ids"].shape[1]
-    width = {"prompt": (p,), "response": (r,), None: ()}
+    width = {"prompt": (p,), "response": (r,), "routing": (0,), None: ()}
     return TrainBatch(**{f.name: given[f.name] if f.name in given else
                          torch.zeros(n, *width[f.metadata["width"]], dtype=f.metadata["dtype"])
                          for f in fields(TrainBatch)})

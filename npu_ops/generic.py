@@ -1,4 +1,4 @@
-"""Packing, group filtering, policy loss, rollout correction on Ascend: the ops' own device-agnostic torch paths.
+"""Packing, group filtering, policy loss, rollout correction, MoE experts on Ascend: the ops' own torch paths.
 
 These ops are index gathers / scatters, segment reductions and elementwise math, which
 torch_npu runs natively, so the NPU kernel of each is its torch implementation from the
@@ -7,7 +7,8 @@ generic body to pick) pins it: ``DAPO_KERNELS_BACKEND=triton`` or ``dk.use_backe
 then still never hands an NPU tensor to a CUDA Triton kernel.
 
 Not verified on hardware: the policy-loss, group-filter and rollout-correction torch paths do their per-token
-math and sums in fp64, which torch_npu may run on the AI CPU (slow, ``[N]``-sized) or reject.
+math and sums in fp64, which torch_npu may run on the AI CPU (slow, ``[N]``-sized) or reject; the MoE experts'
+padded ``bmm`` is plain matmul work (torch_npu's ``npu_grouped_matmul`` would skip the padding: not used yet).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ TORCH_PATH_OPS = (
     "policy_loss_sums",
     "policy_loss_grad",
     "rollout_correction",    # dk.rollout_correction: index_add_ / scatter_reduce over fp64 token tables
+    "moe_experts_fwd",       # dk.moe_experts / fused_moe: bmm over the experts padded to the largest count
+    "moe_experts_bwd",
 )
 
 

@@ -13,6 +13,7 @@ import torch
 import dapo_kernels as dk  # noqa: F401  (defines the custom ops)
 import npu_ops
 from dapo_kernels import _registry
+from dapo_kernels.ops.moe.permutation import build_permutation
 from dapo_trainer import npu_model_ops as model_ops
 from npu_ops import _lazy, generic
 from npu_ops import varlen_attention as attention
@@ -43,6 +44,12 @@ def test_torch_path_kernels_ignore_a_forced_triton_backend(monkeypatch):
         "policy_loss_sums": (lp, old, adv, mask, w, 0.2, 0.28, 3.0, torch.rand(5) + 0.5),  # + rollout IS weights
         "policy_loss_grad": (torch.ones((), dtype=torch.float64), lp, old, adv, mask, w, 0.2, 0.28, 3.0),
     }
+    perm = build_permutation(torch.tensor([[1, 0], [1, 2], [0, 1]]), 3)  # 3 tokens, top-2 of 3 experts
+    xs, gate_up, down, tw = torch.randn(3, 4), torch.randn(3, 6, 4), torch.randn(3, 4, 3), torch.rand(3, 2)
+    cases["moe_experts_fwd"] = (xs, gate_up, down, tw, *perm)
+    with dk.use_backend("torch"):
+        gu = torch.ops.dapo.moe_experts_fwd(*cases["moe_experts_fwd"])[1]
+    cases["moe_experts_bwd"] = (torch.randn(3, 4), xs, gate_up, down, tw, gu, *perm)
     kernels = npu_ops.kernels()
     with dk.use_backend("triton"):
         got = {name: kernels[f"dapo::{name}"](*args) for name, args in cases.items()}

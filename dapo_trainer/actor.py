@@ -41,8 +41,8 @@ import torch.distributed as dist
 import dapo_kernels as dk
 from dapo_kernels.validation import to_device_checked
 
-from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, shard_sequence, sp_micro_batches,
-                       tp_grad_sync, tp_shard_dims)
+from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, expert_shard_names, shard_sequence,
+                       sp_micro_batches, tp_grad_sync, tp_shard_dims)
 from .records import MicroBatch, MiniBatchPlan, TrainBatch
 from .router_load import RouterLoad
 
@@ -241,8 +241,9 @@ class Actor:
             if a.use_dynamic_bsz:
                 # Per SP group: SP times the per-rank token cap, balanced by attention workload.
                 micro = sp_micro_batches(lens, cap, hidden_size=hidden_size, sp=dims.sp)
-                if a.strategy == "fsdp2" and dims.grad_ranks > 1:
-                    # FSDP reduce-scatters in every backward: every rank runs as many.
+                if (a.strategy == "fsdp2" and dims.grad_ranks > 1) or dims.ep > 1:
+                    # FSDP reduce-scatters in every backward, EP exchanges tokens in every forward:
+                    # every rank runs as many.
                     cnt = torch.tensor([len(micro)], device=dims.comm_device)
                     dist.all_reduce(cnt, op=dist.ReduceOp.MAX, group=dims.grad_group)
                     micro = sp_micro_batches(lens, cap, hidden_size=hidden_size, sp=dims.sp,
@@ -503,7 +504,8 @@ class Actor:
         tp = dims.tp > 1
         return clip_grad_norm(self.model, self.actor_cfg.grad_clip, tp_group=dims.tp_group if tp else None,
                               sharded=tp_shard_dims(self.model) if tp else (), dp_group=dims.dp_group,
-                              pp_group=pp_group, exclude=exclude, comm_device=dims.comm_device)
+                              pp_group=pp_group, exclude=exclude, comm_device=dims.comm_device,
+                              ep_group=dims.ep_group, ep_sharded=expert_shard_names(self.model))
 
 
 class PipelinedActor(Actor):

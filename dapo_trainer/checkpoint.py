@@ -48,7 +48,7 @@ from .state_file import FORMAT, load_state_file, save_state_file
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
-_LAYOUT_KEYS = ("pp", "vpp", "dp", "tp", "sp")  # ParallelDims' sizes, outermost first
+_LAYOUT_KEYS = ("pp", "vpp", "dp", "tp", "sp", "ep")  # ParallelDims' sizes, outermost first
 _STEP_DIR = re.compile(r"^\.?global_step_(\d+)(\.tmp|\.old)?$")
 log = logging.getLogger(__name__)
 
@@ -310,6 +310,8 @@ def check_resume_layout(ckpt_dir: str, world: int, layout: dict) -> None:
     ValueError naming both and what does load at another layout: the HF ``model/`` directory."""
     man = _read_manifest(ckpt_dir)
     saved_world, saved_layout = man.get("world_size"), man.get("layout")
+    if isinstance(saved_layout, dict):  # saved before expert parallelism existed: EP = 1
+        saved_layout = {**saved_layout, "ep": saved_layout.get("ep", 1)}
     same_layout = not isinstance(saved_layout, dict) or saved_layout == layout
     if saved_world in (None, world) and same_layout:
         return

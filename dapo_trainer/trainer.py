@@ -200,10 +200,12 @@ class DAPOTrainer:
         # The embedded engine samples from the training model as it is sharded (TP shards; FSDP2
         # one layer gathered at a time, the DP ranks in lockstep); vLLM receives its gathered
         # weights. Three cases keep an unsharded replica, refreshed after every update: SP (the
-        # model's forward keeps one token shard), PP (a rank holds some layers) and multi-turn
-        # environments under FSDP2 with several DP ranks (different numbers of engine calls: no lockstep).
+        # model's forward keeps one token shard), PP (a rank holds some layers), EP (each forward exchanges
+        # tokens with the other DP ranks, which sample other prompts for other numbers of steps) and
+        # multi-turn environments under FSDP2 with several DP ranks (different numbers of engine calls: no lockstep).
         dims = self.dims
-        replica = dims.sp > 1 or dims.pp > 1 or (env is not None and arr.actor.strategy == "fsdp2" and dims.dp > 1)
+        replica = (dims.sp > 1 or dims.pp > 1 or dims.ep > 1
+                   or (env is not None and arr.actor.strategy == "fsdp2" and dims.dp > 1))
         self.rollout_model = (load_hf_model(model_dir, _DTYPES[arr.model.dtype], self.device) if replica
                               else self.model)
         self.engine = make_rollout(arr.rollout.engine_config(), self.rollout_model)
@@ -268,7 +270,7 @@ class DAPOTrainer:
         return release
 
     def sync_weights(self) -> None:
-        if self.rollout_model is not self.model:  # the replica (SP; PP; multi-turn under FSDP2 with DP > 1)
+        if self.rollout_model is not self.model:  # the replica (SP; PP; EP; multi-turn under FSDP2 with DP > 1)
             self.rollout_model.load_state_dict(self.full_state())
         self.engine.update_weights(self.rollout_model)
 

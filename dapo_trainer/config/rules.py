@@ -150,6 +150,21 @@ def pipeline_parallel_compatible(cfg: Config) -> None:
 
 
 @rule
+def expert_parallel_compatible(cfg: Config) -> None:
+    a = cfg.actor_rollout_ref.actor
+    ep, key = a.megatron.expert_model_parallel_size, f"{ACTOR}.megatron.expert_model_parallel_size"
+    # Tokens are exchanged among the DP ranks only; TP / SP / PP ranks would each need their own EP groups.
+    for other in ("tensor_model_parallel_size", "ulysses_sequence_parallel_size", "pipeline_model_parallel_size"):
+        require(ep == 1 or getattr(a, other) == 1, key,
+                f"expert parallelism ({ep}) with {ACTOR}.{other}={getattr(a, other)} is not supported; "
+                "EP runs over the data-parallel ranks only")
+    # Every forward is collective over the EP ranks: they must run as many micro-batches.
+    require(ep == 1 or a.use_dynamic_bsz, key,
+            f"expert parallelism ({ep}) needs {ACTOR}.use_dynamic_bsz=true (the ranks run equal numbers of "
+            "micro-batches, every forward exchanges tokens)")
+
+
+@rule
 def activation_offload_needs_checkpointing(cfg: Config) -> None:
     m = cfg.actor_rollout_ref.model
     require(not m.enable_activation_offload or m.enable_gradient_checkpointing,

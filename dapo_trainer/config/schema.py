@@ -137,6 +137,14 @@ class RouterReplayConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """``actor_rollout_ref.actor.megatron.*`` (verl's Megatron keys that apply here)."""
+
+    # Expert parallelism: each sparse MoE layer's experts split over this many ranks (the DP ranks; EP = DP).
+    expert_model_parallel_size: int = setting(1, range=POSITIVE)
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy update."""
 
@@ -150,6 +158,7 @@ class ActorConfig:
     pipeline_model_parallel_size: int = setting(1, range=POSITIVE)
     # Interleaved 1F1B: model chunks per pipeline rank (None or 1: plain 1F1B).
     virtual_pipeline_model_parallel_size: Optional[int] = setting(None, range=at_least(1, "or null"))
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     # The loss ops' own rules (dapo_kernels.validation), so a value loads iff the loss accepts it.
     clip_ratio_low: float = setting(0.2, range=CLIP_RATIO_RANGES["clip_ratio_low"])
     clip_ratio_high: float = setting(0.28, range=CLIP_RATIO_RANGES["clip_ratio_high"])

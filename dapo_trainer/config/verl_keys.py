@@ -66,9 +66,10 @@ _KL_IN_REWARD = "used only with algorithm.use_kl_in_reward=true, which is not im
 _TOP_K = ("-1 or 0 (top-k sampling is not implemented)", "no top-k cut: sampling uses temperature and top_p only")
 
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
-# Mixture-of-experts keys (verl's Qwen3-MoE recipes): experts are not split over ranks here.
-_NO_EP = ("experts are not split over ranks: each rank holds every expert of its layers (FSDP2 shards them as "
-          "any weight; TP replicates sparse layers)")
+# Mixture-of-experts keys (verl's Qwen3-MoE recipes): the actor's expert_model_parallel_size is a setting
+# (schema.MegatronConfig); the reference model takes the actor's layout, the embedded sampler a replica.
+_NO_EP = (f"the reference model is laid out as the actor ({A}.megatron.expert_model_parallel_size) and the "
+          "embedded sampler holds every expert")
 
 VERL_KEYS: Dict[str, VerlKey] = {
     # data
@@ -124,9 +125,8 @@ VERL_KEYS: Dict[str, VerlKey] = {
     f"{R}.max_num_batched_tokens": VerlKey(_int(1), "an int >= 1", _VLLM_DEFAULT),
     f"{R}.max_num_seqs": VerlKey(_int(1), "an int >= 1", _VLLM_DEFAULT),
     # mixture of experts
-    **{k: VerlKey(_is(1), "1 (expert parallelism is not implemented)", f"no expert parallelism: {_NO_EP}")
-       for k in (f"{A}.megatron.expert_model_parallel_size", f"{REF}.megatron.expert_model_parallel_size",
-                 f"{R}.expert_parallel_size")},
+    **{k: VerlKey(_is(1), "1", _NO_EP) for k in (f"{REF}.megatron.expert_model_parallel_size",
+                                                 f"{R}.expert_parallel_size")},
     # algorithm
     "algorithm.use_kl_in_reward": VerlKey(_is(False), f"false (KL in the reward is not implemented; use "
                                           f"{A}.use_kl_loss=true for a KL term)", "no KL penalty in the reward"),

@@ -1,5 +1,5 @@
 """Parallelism applied to a built model by functions: tensor (Megatron), sequence (Ulysses),
-pipeline and data (FSDP2 / DDP).
+pipeline, expert (MoE experts over the data-parallel ranks) and data (FSDP2 / DDP).
 
 Typical multi-node setup (launched by ``torchrun``)::
 
@@ -15,6 +15,7 @@ Typical multi-node setup (launched by ``torchrun``)::
 from .collectives import collective_device
 from .data_parallel import apply_ddp, apply_fsdp, balanced_dp_split, global_mean_scale, sp_micro_batches
 from .dims import ParallelDims, parallelize_model
+from .expert import apply_expert_parallel, expert_parallel_group, expert_shard_names
 from .dist import backend_for_device, init_distributed, make_mesh
 from .grads import clip_grad_norm
 from .pipeline import (apply_pipeline, build_pipeline, pipeline_state_dict, stage_keep, tied_grad_sync,
@@ -34,6 +35,9 @@ __all__ = [
     "tied_grad_sync",
     "stage_keep",
     "parallelize",
+    "apply_expert_parallel",
+    "expert_parallel_group",
+    "expert_shard_names",
     "tensor_parallel_group",
     "tp_grad_sync",
     "apply_sequence_parallel",

@@ -152,3 +152,48 @@ def seq_to_heads(x: torch.Tensor, group, shards) -> torch.Tensor:
 def heads_to_seq(x: torch.Tensor, group, shards) -> torch.Tensor:
     """``[sum(shards), h, D]`` (this rank's heads) -> ``[shards[r], n*h, D]`` (its tokens, all heads)."""
     return _UlyssesAllToAll.apply(x, group, tuple(shards), False)
+
+
+# --------------------------------------------------------------------------- expert parallelism
+def exchange_rows(x: torch.Tensor, group, out_splits, in_splits) -> torch.Tensor:
+    """One ``all_to_all_single`` of rows: ``in_splits[j]`` rows of ``x`` (in rank order) go to rank j,
+    ``out_splits[j]`` rows come from it; not differentiable (ids, counts)."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    return out
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """:func:`exchange_rows`; the backward sends each row's gradient back where the row came from."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.args = (group, out_splits, in_splits)
+        return exchange_rows(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, out_splits, in_splits = ctx.args
+        return exchange_rows(grad, group, in_splits, out_splits), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group, out_splits, in_splits) -> torch.Tensor:
+    """Differentiable :func:`exchange_rows` (the expert-parallel token dispatch and its return)."""
+    return _ExchangeRows.apply(x, group, tuple(out_splits), tuple(in_splits))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return _ScaleGrad.apply(x, scale)

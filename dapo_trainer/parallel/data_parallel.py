@@ -16,6 +16,7 @@ import dapo_kernels as dk
 
 from ..model import Transformer
 from .collectives import collective_device
+from .expert import expert_parameters
 
 
 def _as_mesh(mesh_or_group, device_type: str):
@@ -46,7 +47,8 @@ def apply_fsdp(
 
     The root unit (embeddings, final norm, lm_head) stays unsharded from forward to
     backward: :meth:`Transformer.log_probs` reads ``lm_head.weight`` after ``forward``
-    returns, and needs the gathered weight, not this rank's shard.
+    returns, and needs the gathered weight, not this rank's shard. Expert-parallel shards
+    (:func:`~.expert.expert_parameters`) are left out: each rank owns its own.
     """
     # Public since torch 2.6; the _composable path is kept for older builds only.
     try:
@@ -57,19 +59,25 @@ def apply_fsdp(
     device_type = next(model.parameters()).device.type
     mesh = _as_mesh(dp_mesh, device_type)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ignored = set(expert_parameters(model).values()) or None
     for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     return model
 
 
 def apply_ddp(model: Transformer, dp_group=None, **ddp_kwargs) -> nn.Module:
     """Wrap ``model`` in ``DistributedDataParallel`` over ``dp_group``.
 
-    Call ``forward`` through the wrapper and ``log_probs`` on ``wrapper.module``.
+    Call ``forward`` through the wrapper and ``log_probs`` on ``wrapper.module``. Expert-parallel
+    shards (:func:`~.expert.expert_parameters`) are not all-reduced: each rank owns its own.
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    ignored = list(expert_parameters(model))
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device = next(model.parameters()).device
     ids = None if device.type == "cpu" else [device]
     return DistributedDataParallel(model, device_ids=ids, process_group=dp_group, **ddp_kwargs)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .collectives import collective_device
 from .data_parallel import apply_fsdp
 from .dist import make_mesh
+from .expert import EP_KEY, apply_expert_parallel
 from .pipeline import apply_pipeline
 from .sequence import apply_sequence_parallel
 from .tensor import parallelize
@@ -46,6 +47,8 @@ class ParallelDims:
     vpp: int = 1
     pp_group: Any = None
     tied_group: Any = None
+    ep: int = 1
+    ep_group: Any = None
 
     @property
     def pp_rank(self) -> int:
@@ -109,7 +112,13 @@ class ParallelDims:
                 f"actor_rollout_ref.actor.tensor_model_parallel_size {tp} / ulysses_sequence_parallel_size "
                 f"{sp}): every rank needs at least one row; raise the mini-batch size or n, or run fewer "
                 "processes")
-        dims = cls(world=world, rank=rank, dp=dp, sp=sp, tp=tp, comm_device=device, pp=pp, vpp=vpp)
+        ep = actor_cfg.megatron.expert_model_parallel_size
+        if ep > 1 and ep != dp:
+            # EP groups inside DP; EP = DP only: with EP < DP each expert would have DP / EP replicas whose
+            # gradients need an all-reduce of their own, not built.
+            raise ValueError(f"{EP_KEY}={ep} must equal the data-parallel size {dp} ({world} processes / "
+                             f"tensor x sequence x pipeline parallel sizes {tp * sp * pp}) or be 1")
+        dims = cls(world=world, rank=rank, dp=dp, sp=sp, tp=tp, comm_device=device, pp=pp, vpp=vpp, ep=ep)
         if world > 1:
             mesh = make_mesh(device, tp=tp, sp=sp, pp=pp)
             if pp > 1:
@@ -122,13 +131,17 @@ class ParallelDims:
                 dims.sp_group = mesh["sp"].get_group()
                 dims.grad_group = dims.grad_mesh = dist.group.WORLD
             dims.comm_device = collective_device(dims.dp_group)
+            if ep > 1:
+                dims.ep_group = dims.dp_group
         return dims
 
 
 def parallelize_model(model, dims: ParallelDims, *, fsdp: bool):
-    """Apply ``dims`` to ``model`` in place: TP shards, Ulysses SP, the pipeline split (PP), then
-    FSDP2 over the gradient ranks when ``fsdp`` (a trainable model under ``actor.strategy=fsdp2``);
-    returns it."""
+    """Apply ``dims`` to ``model`` in place: expert shards (EP), TP shards, Ulysses SP, the pipeline
+    split (PP), then FSDP2 over the gradient ranks when ``fsdp`` (a trainable model under
+    ``actor.strategy=fsdp2``; it leaves the expert shards alone); returns it."""
+    if dims.ep > 1:
+        apply_expert_parallel(model, dims.ep_group)
     if dims.tp > 1:
         parallelize(model, dims.tp_group)
     if dims.sp > 1:

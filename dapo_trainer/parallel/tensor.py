@@ -18,7 +18,7 @@ SparseMoeBlock (Qwen3-MoE) unchanged                       replicated: router an
 
 A sparse MoE layer runs whole on every rank of the group (its input, the residual stream, is
 replicated; so are its output and its gradients, as a norm's): experts are not split over TP ranks
-(that, or experts over ranks, is expert parallelism, not built here). FSDP2 shards them as any weight.
+(expert parallelism, :mod:`.expert`, splits them over the DP ranks instead). FSDP2 shards them as any weight.
 
 Each attention / MLP block then costs one all-reduce in forward and one in backward, as
 Megatron's conjugate operators f / g: the block's input passes through ``copy_to_tp``
@@ -48,6 +48,7 @@ import dapo_kernels as dk
 
 from ..model import SparseMoeBlock, Transformer
 from .collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from .expert import expert_parallel_group, expert_shard_names, unshard_experts
 
 TP_KEY = "actor_rollout_ref.actor.tensor_model_parallel_size"
 # Name endings of the replicated parameters whose gradient a tensor-parallel rank computes in part.
@@ -269,9 +270,11 @@ def unshard(t: torch.Tensor, dim: Optional[int], tp_group) -> torch.Tensor:
 
 
 def full_state_dict(model: Transformer) -> dict:
-    """Unsharded ``state_dict`` of a tensor- and/or FSDP-parallel model (collective).
+    """Unsharded ``state_dict`` of a tensor-, expert- and/or FSDP-parallel model (collective).
 
     What :func:`dapo_trainer.hf_io.save_hf_model` needs; call it on every rank, save on one.
     """
     dims, group = tp_shard_dims(model), tensor_parallel_group(model)
-    return {name: unshard(t, dims.get(name), group).detach() for name, t in model.state_dict().items()}
+    experts, ep_group = expert_shard_names(model), expert_parallel_group(model)
+    return {name: (unshard_experts(t, ep_group) if name in experts else unshard(t, dims.get(name), group)).detach()
+            for name, t in model.state_dict().items()}

@@ -314,10 +314,10 @@ def _copy_run(trained, tmp_path, **manifest):
     return d, overrides + [f"trainer.default_local_dir={run}"]
 
 
-PP2 = {"pp": 2, "vpp": 1, "dp": 1, "tp": 1, "sp": 1}
+PP2 = {"pp": 2, "vpp": 1, "dp": 1, "tp": 1, "sp": 1, "ep": 1}
 
 
-@pytest.mark.parametrize("layout,saved", [(PP2, r"2 processes, PP=2 x VPP=1 x DP=1 x TP=1 x SP=1"),
+@pytest.mark.parametrize("layout,saved", [(PP2, r"2 processes, PP=2 x VPP=1 x DP=1 x TP=1 x SP=1 x EP=1"),
                                           (None, "2 processes")])
 def test_resume_at_another_world_size_names_both_layouts_and_what_loads(trained, tmp_path, no_model, layout,
                                                                         saved):
@@ -342,8 +342,9 @@ def test_pp2_checkpoint_at_pp1_dp2_is_refused_naming_both_and_its_model_loads_at
     d = os.path.join(root, "run", "checkpoints", "global_step_1")
     assert json.load(open(os.path.join(d, ckpt.MANIFEST)))["layout"] == {**PP2, "pp": 1}
     d, _ = _copy_run(trained, tmp_path, world_size=2, layout=PP2)
-    with pytest.raises(ValueError, match=r"saved by 2 processes, PP=2 x VPP=1 x DP=1 x TP=1 x SP=1; this run has 2 "
-                                         r"processes, PP=1 x VPP=1 x DP=2 x TP=1 x SP=1\. A resume restores"):
+    with pytest.raises(ValueError, match=r"saved by 2 processes, PP=2 x VPP=1 x DP=1 x TP=1 x SP=1 x EP=1; this run "
+                                         r"has 2 processes, PP=1 x VPP=1 x DP=2 x TP=1 x SP=1 x EP=1\. A resume "
+                                         r"restores"):
         ckpt.check_resume_layout(d, 2, {**PP2, "pp": 1, "dp": 2})
     ckpt.check_resume_layout(d, 2, PP2)
     fresh = DAPOTrainer(load_config(overrides=overrides + [

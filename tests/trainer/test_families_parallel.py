@@ -1,5 +1,6 @@
 """Qwen3, Qwen3-MoE, Mistral and Gemma 3 (text) through the parallel layouts: a trainer step at TP=2, FSDP2
-(DP=2), PP=2 and, for the sliding-window families and Qwen3-MoE, Ulysses SP=2 equals one process's.
+(DP=2), PP=2, for the sliding-window families and Qwen3-MoE Ulysses SP=2, for Qwen3-MoE EP=2, equals one
+process's.
 
 Tiny random models built by transformers (nothing downloaded, as test_families.py does) with the family
 features that parallelism touches: per-head q/k norms (replicated under TP, their partial gradients summed
@@ -7,8 +8,9 @@ over the TP group), tied embeddings (vocabulary-parallel under TP, a copy on the
 ``pad_token_id`` (``padding_idx``), a sliding window shorter than the sequences (under SP: attention over
 whole sequences of a head shard), Gemma's embedding scale and interleaved sliding / full layers with their
 own ropes (a PP stage keeps each layer's type: layer 1, full, is stage 1's only layer), Qwen3-MoE's sparse
-layers (replicated under TP, experts sharded by FSDP2, one per PP stage, token shards routed under SP; the
-router load metrics equal one process's too; router replay R2 and R3 at TP=2 and FSDP2).
+layers (replicated under TP, experts sharded by FSDP2, one per PP stage, token shards routed under SP,
+experts split over the DP ranks at EP=2; the router load metrics equal one process's too; router replay R2
+and R3 at TP=2 and FSDP2, R2 at EP=2).
 One spawn of 2 gloo processes runs every scenario (test_pipeline.py's harness): the train batch, the first
 step's metrics, every gradient and the updated weights equal one process's within fp32 reduction noise.
 A layout a model cannot take is refused at start-up, naming the key (Gemma 3 1B's single KV head at TP=2).
@@ -102,6 +104,60 @@ def test_qwen3_moe_tp2_fsdp2_pp2_sp2_equal_one_process(tmp_path):
     for mode, extra in (("r2", r2), ("r3", r3)):
         scenarios.update({f"qwen3-moe-{mode}-{name}": moe + extra + LAYOUTS[name] for name in ("tp2", "fsdp2")})
     _spawn_and_compare(tmp_path, 2, scenarios, setup=_setup)
+
+
+EP = ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]
+
+
+def _ep_setup(root: str, tied: bool = False) -> list:
+    """Qwen3-MoE (4 experts), the same with 3 (EP=2 cannot split them) and dense Qwen3."""
+    base = micro_setup(root) + RUN
+    for name, family, changes in (("qwen3-moe", "qwen3-moe", {}), ("qwen3-moe-e3", "qwen3-moe", {"num_experts": 3}),
+                                  ("qwen3", "qwen3", {})):
+        write_family_model(os.path.join(root, name), family, **changes)
+    return base
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_qwen3_moe_ep2_equals_one_process(tmp_path):
+    """Experts split over the 2 DP ranks (EP=2, tokens exchanged by all-to-all), under DDP, FSDP2 and
+    router replay R2 (the replayed ids dispatched): the first step's metrics, every gradient (each rank's
+    expert slice gathered) and the updated weights (gathered: the checkpoint's state) equal one process's.
+    A dense model and 3 experts over 2 ranks are refused naming the key."""
+    moe = _model(tmp_path, "qwen3-moe")
+    r2 = ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_epochs=2"]
+    scenarios = {"qwen3-moe-ep2": moe + EP, "qwen3-moe-ep2-fsdp2": moe + EP + LAYOUTS["fsdp2"],
+                 "qwen3-moe-r2-ep2": moe + r2 + EP}
+    refusals = {"dense": _model(tmp_path, "qwen3") + EP, "e3": _model(tmp_path, "qwen3-moe-e3") + EP}
+    refused = _spawn_and_compare(tmp_path, 2, scenarios, setup=_ep_setup, refusals=refusals)
+    for msgs in refused:
+        for name, parts in (("dense", ("expert_model_parallel_size=2", "'qwen3' is dense")),
+                            ("e3", ("expert_model_parallel_size=2 must divide the number of experts num_experts=3",))):
+            assert msgs[name] is not None, f"{name} was accepted at EP=2"
+            for part in parts:
+                assert part in msgs[name], msgs[name]
+
+
+@pytest.mark.parametrize("extra, part", [
+    (TP, "with actor_rollout_ref.actor.tensor_model_parallel_size=2 is not supported"),
+    (["actor_rollout_ref.actor.use_dynamic_bsz=false"], "needs actor_rollout_ref.actor.use_dynamic_bsz=true"),
+])
+def test_expert_parallel_layouts_it_cannot_take_are_refused_naming_the_key(tmp_path, extra, part):
+    from dapo_trainer.config import load_config
+
+    with pytest.raises(ValueError) as e:
+        load_config(overrides=micro_setup(str(tmp_path)) + EP + extra)
+    assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size" in str(e.value) and part in str(e.value)
+
+
+def test_expert_parallel_size_must_equal_the_data_parallel_size(tmp_path):
+    from dapo_trainer.config import load_config
+    from dapo_trainer.parallel import ParallelDims
+
+    cfg = load_config(overrides=micro_setup(str(tmp_path)) + EP)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2 must equal the data-parallel size 1 "):
+        ParallelDims.build(cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("pp, v", [(2, 1), (2, 2)])

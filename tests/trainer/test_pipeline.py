@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from dapo_trainer.config import load_config
-from dapo_trainer.parallel import tensor_parallel_group, tp_shard_dims, unshard
+from dapo_trainer.parallel import (expert_parallel_group, expert_shard_names, tensor_parallel_group, tp_shard_dims,
+                                   unshard)
+from dapo_trainer.parallel.expert import unshard_experts
 from dapo_trainer.hf_io import load_hf_model
 from dapo_trainer.parallel.pipeline import split_model, stage_keep, stage_layers
 from dapo_trainer.memory_model import stage_params
@@ -89,9 +91,12 @@ def _run(overrides) -> dict:
     initial = {k: v.detach().clone() for k, v in trainer.full_state().items()}
     metrics = trainer.train_step()
     weights = {k: v.detach().clone() for k, v in trainer.full_state().items()}
-    # This rank's gradients after the step's last backward (clipped), unsharded over TP / FSDP2.
+    # This rank's gradients after the step's last backward (clipped), unsharded over TP / FSDP2 / EP
+    # (each rank's expert slice gathered, so every slice is compared with one process's).
     model, shard_dims, tp_group = trainer.model, tp_shard_dims(trainer.model), tensor_parallel_group(trainer.model)
-    grads = {n: unshard(p.grad, shard_dims.get(n), tp_group).clone() for n, p in model.named_parameters()}
+    experts, ep_group = expert_shard_names(model), expert_parallel_group(model)
+    grads = {n: (unshard_experts(p.grad, ep_group) if n in experts else unshard(p.grad, shard_dims.get(n), tp_group))
+             .clone() for n, p in model.named_parameters()}
     # The sampling replica (PP, SP) refreshed after the update; None where the engine samples from the
     # training model itself (TP, DP).
     replica = (None if trainer.rollout_model is trainer.model else
@@ -190,7 +195,7 @@ def _spawn_and_compare(tmp_path, world: int, scenarios: dict, *, tied: bool = Fa
     base = setup(str(tmp_path), tied=tied)
     curves = curves or {}
     layout = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "strategy",  # not in the 1-process run
-              "ulysses_sequence_parallel_size")
+              "ulysses_sequence_parallel_size", "expert_model_parallel_size")
     extra_single = {name: [o for o in extra if not o.split("=")[0].endswith(layout)]
                     for name, extra in scenarios.items()}
     singles = {}

@@ -330,10 +330,12 @@ class Actor:
     def update(self, batch: TrainBatch) -> Dict[str, float]:
         """Old / ref log-probs, then the policy update over mini-batches and epochs."""
         a = self.actor_cfg
+        t_pack = time.perf_counter()
         if a.mask_truncated_completions:  # overlong filtering: a truncated response trains no token (nor counts)
             batch = replace(batch, sampled=batch.sampled & batch.stopped[:, None])
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
+        pack_s = time.perf_counter() - t_pack  # planning and packing: counted in update_actor (the phases cover the step)
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1);
         # bypass_mode / actor.use_rollout_log_probs: the old log-probs are the rollout's, whatever the plan.
         on_policy = a.ppo_epochs == 1 and len(plan) == 1 and not self.rollout_old
@@ -381,7 +383,7 @@ class Actor:
                     skipped.append(f"epoch {epoch + 1} mini-batch {i + 1}: non-finite {what}")
         if n_updates:  # a step with no applied update does not advance the LR schedule
             self.scheduler.step()
-        timing["timing_s/update_actor"] = time.perf_counter() - t0
+        timing["timing_s/update_actor"] = time.perf_counter() - t0 + pack_s
         totals, loss_sum = self._reduce_sums(sums, loss_sum)
 
         n_mini = a.ppo_epochs * len(plan)

@@ -335,7 +335,7 @@ class Actor:
             batch = replace(batch, sampled=batch.sampled & batch.stopped[:, None])
         plan = self.plan(batch)
         packed = [[self.pack(batch, rows) for rows in p.micro] for p in plan]
-        pack_s = time.perf_counter() - t_pack  # planning and packing: counted in update_actor (the phases cover the step)
+        pack_s = time.perf_counter() - t_pack  # planning and packing: counted in update_actor (phases cover the step)
         # One mini-batch, one epoch: the op takes the old log-probs from its own forward (ratio exactly 1);
         # bypass_mode / actor.use_rollout_log_probs: the old log-probs are the rollout's, whatever the plan.
         on_policy = a.ppo_epochs == 1 and len(plan) == 1 and not self.rollout_old

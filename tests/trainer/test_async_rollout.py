@@ -147,10 +147,11 @@ def test_use_rollout_log_probs_trains_without_the_old_log_prob_forward(tmp_path,
 
 
 def test_more_workers_than_rows_is_refused_before_any_worker_starts(tmp_path, no_children_left):
+    before = _children(os.getpid())  # (other tests in this process may have left helpers: wandb, compile workers)
     overrides = micro_setup(str(tmp_path), n_train=3) + QUIET + ASYNC + ["rollout.n_gpus_per_node=4"]
     with pytest.raises(ValueError, match=r"rollout\.n_gpus_per_node=4 rollout workers, but data\.train_files has 3"):
         DAPOTrainer(load_config(overrides=overrides))
-    assert not _workers_left(set())
+    assert not _workers_left(before)
 
 
 # --------------------------------------------------------------------------- messages

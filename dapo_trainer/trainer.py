@@ -373,6 +373,8 @@ class DAPOTrainer:
         try:
             if self.dims.rank == 0:  # what the run trained with, beside its metrics (dapo-report reads it)
                 dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
+            if self.global_step < t.total_training_steps:
+                self.rollout_workers()  # async: the workers start (and generate) while the first validation runs
             if self.global_step == 0 and t.val_before_train and self.val_rows:
                 metrics = self.validate()
                 log.log(0, metrics)

@@ -50,7 +50,7 @@ def test_without_trl_a_full_run_refuses_and_smoke_skips_it(monkeypatch, capsys):
     assert "trl is not importable" in capsys.readouterr().err
     args = bench.parse_args(["--smoke"])
     assert "TRL runs skipped: trl is not importable" in capsys.readouterr().out
-    assert args.trainer_list == ["ours", "ours_bypass"]
+    assert args.trainer_list == ["ours", "ours_bypass", "ours_async_bypass"]
     assert (args.steps, args.seed_list, args.warm_start_steps) == (2, [0], 5)
     monkeypatch.setattr(bench, "trl_importable", lambda: True)
     assert bench.parse_args(["--smoke"]).trainer_list == list(bench.DEFAULT_TRAINERS)
@@ -119,10 +119,13 @@ def _smoke(trainers, tmp_path):
     return proc.stdout
 
 
-@pytest.mark.slow  # ~20 s on a quiet 2-core machine
+@pytest.mark.slow  # ~30 s on a quiet 2-core machine
 def test_smoke_run_of_ours(tmp_path):
-    out = _smoke("ours,ours_bypass", tmp_path)
+    """Every variant of ours runs to its tables; the async one (a rollout worker process) counts the worker's
+    CPU time in its step's."""
+    out = _smoke("ours,ours_bypass,ours_async_bypass", tmp_path)
     assert "| time per step, s (median after the first) |" in out and "- ours_bypass seed 0: 0: 0s" in out
+    assert "- ours_async_bypass seed 0: 0: 0s" in out and "| CPU time per step" in out
 
 
 @pytest.mark.slow

@@ -79,14 +79,16 @@ def exact_logits(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
     the index lies outside this vocab shard): N*H work, chunked so the gathered rows stay ~32 MiB."""
     n, h = hidden.shape
     v = weight.shape[0]
-    out = torch.zeros(n, dtype=torch.float64, device=hidden.device)
     step = max(1, (32 << 20) // (16 * max(h, 1)))
+    out = torch.zeros(n, dtype=torch.float64, device=hidden.device) if n == 0 or n > step else None
     for r0 in range(0, n, step):
         idx = index[r0:r0 + step] - vocab_start
         inside = (idx >= 0) & (idx < v)
         rows = weight.index_select(0, idx.clamp(0, max(v - 1, 0))).double()
         # Elementwise product and row sum, not a batched matmul: N*H work, no GEMM (the counted units).
         dot = rows.mul_(hidden[r0:r0 + step].double()).sum(1) * inv_temp
+        if out is None:  # one chunk: the result itself
+            return torch.where(inside, dot, 0.0)
         out[r0:r0 + step] = torch.where(inside, dot, 0.0)
     return out
 
@@ -94,6 +96,8 @@ def exact_logits(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
 def local_argmax(stats: torch.Tensor) -> torch.Tensor:
     """int64 ``[N]`` index (within this vocab shard) of each row's largest fp32 logit, from fp64
     ``stats [S, N, 5]``: the index stored by the split with the largest max (the first on ties)."""
+    if stats.shape[0] == 1:  # one split: its index
+        return stats[0, :, 4].long()
     split = stats[..., 0].argmax(0)
     return stats[..., 4].gather(0, split[None])[0].long()
 
@@ -126,8 +130,14 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
     m_local = m_part.amax(0)
     finite = torch.isfinite(m_local)
     m_local = torch.where(finite, m_local, torch.zeros_like(m_local))
-    s, t = rescale(m_part, stats[..., 1], stats[..., 2], m_local)
-    s, t, tgt = s.sum(0), t.sum(0), stats[..., 3].sum(0)
+    if stats.shape[0] == 1:
+        # One split: where its max is finite it is m_local (scale 1, shift 0: s and t as they are);
+        # where not, s is NaN (0 for an all -inf row, with t 0) and the results NaN either way.
+        s, t = stats[0, :, 1], stats[0, :, 2]
+    else:
+        s, t = rescale(m_part, stats[..., 1], stats[..., 2], m_local)
+        s, t = s.sum(0), t.sum(0)
+    tgt = stats[..., 3].sum(0)
     if exact is not None:
         target, argmax, arg, local_labels = exact
         # swap exp(a) a for exp(b) b in t and exp(a) for exp(b) in s, a / b the fp32 / fp64 logit
@@ -140,12 +150,12 @@ def combine_stats(stats: torch.Tensor, key: str = "", dtype: torch.dtype = torch
         s = s + torch.expm1(b)
         t = t + torch.exp(b) * b
         tgt = target
-    sums = torch.stack([s, t, tgt])  # one all-reduce for all of them
     if key:
+        sums = torch.stack([s, t, tgt])  # one all-reduce for all of them
         m = all_reduce(m_local.clone(), key, "max")
         sums[0], sums[1] = rescale(m_local, sums[0], sums[1], m)
         m_local = m
-    s, t, tgt = all_reduce(sums, key)
+        s, t, tgt = all_reduce(sums, key)
     log_s = torch.log(s)
     lse = two_sum(m_local.to(dtype), log_s.to(dtype)) if split_lse else (m_local + log_s).to(dtype)
     return lse, ((tgt - m_local) - log_s).to(dtype), (log_s - t / s).to(dtype)

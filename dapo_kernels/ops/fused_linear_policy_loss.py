@@ -66,6 +66,7 @@ class LossSums(NamedTuple):
 
 
 _NUM_SUMS = len(LossSums._fields)
+_TOTAL = LossSums._fields.index("total")
 
 
 # --------------------------------------------------------------------------- loss head
@@ -100,7 +101,12 @@ class LossHead:
             g_lp = g_lp + p.kl_coef * wm * kl_grad
         g_lp = torch.where(mask, g_lp, 0.0)
         pg_sum = torch.where(mask, wm * loss, 0.0).sum()
-        sums = LossSums(total=pg_sum - p.entropy_coeff * ent_sum + p.kl_coef * kl_sum, pg=pg_sum,
+        total = pg_sum  # the terms whose coefficient is 0 are left out
+        if p.entropy_coeff:
+            total = total - p.entropy_coeff * ent_sum
+        if p.kl_coef:
+            total = total + p.kl_coef * kl_sum
+        sums = LossSums(total=total, pg=pg_sum,
                         entropy=ent_sum, kl=kl_sum, **metric_sums(mask, clip, clip_low, nkl))
         return g_lp.float(), g_ent.float(), torch.stack(sums)
 
@@ -310,7 +316,8 @@ def fused_linear_policy_loss(
     entropy = bool(entropy_coeff) or check_flag("calculate_entropy", calculate_entropy)
     stacked, log_prob, ent, _, _ = _fused_op(hidden, weight, labels, list(tokens), list(params), kl_type,
                                              vocab_start, key, entropy, compute_grad)
-    sums = LossSums._make(stacked.unbind())
+    # Only the total is differentiated: the metrics come from a detached copy (no autograd nodes recorded).
+    sums = LossSums._make(stacked.detach().unbind())
     metrics = metrics_from_counts(sums.clipped, sums.clipped_lower, sums.neg_log_ratio, sums.tokens)
     if ignored is not None:
         log_prob, ent = log_prob.masked_fill(ignored, 0.0), ent.masked_fill(ignored, 0.0)
@@ -321,4 +328,4 @@ def fused_linear_policy_loss(
         metrics["entropy_loss"] = sums.entropy.detach().float()
     if kl_coef:
         metrics["kl_loss"] = sums.kl.detach().float()
-    return sums.total.float(), metrics
+    return stacked[_TOTAL].float(), metrics

@@ -34,7 +34,7 @@ header (version) and the flattened state, one contiguous buffer per dtype, in th
 generation to finish. The worker loads a new version before its next generation batch and,
 with ``async_training.partial_rollout`` (verl's default), inside one: between two decode steps
 (:attr:`EmbeddedRollout.interrupt <dapo_trainer.rollout.embedded.EmbeddedRollout.interrupt>`), the
-unfinished responses then continue under it (prompt and tokens so far prefilled again) and keep the
+unfinished responses then continue under it (their KV caches recomputed under it) and keep the
 behaviour log-probs of their earlier tokens. On GPUs, verl's checkpoint engine does the same
 with NCCL: the trainer ranks and the rollout replicas join one NCCL group, the trainer broadcasts
 bucketed bf16 weights from device memory (cupy / NCCL streams, no host copy) and the rollout server

@@ -267,7 +267,7 @@ class EmbeddedRollout(RolloutEngine):
         self.config = config or RolloutConfig()
         # Partial rollout (async_training.partial_rollout, a rollout worker's): called between two decode
         # steps; True when it has just loaded new weights into the model in place. The live responses then
-        # continue under them (their prompts and tokens so far prefilled again); earlier tokens keep the
+        # continue under them (their caches recomputed: _replay); earlier tokens keep the
         # log-probs of the weights that sampled them. None: never interrupted.
         self.interrupt: Optional[Callable[[], bool]] = None
         # Mixture-of-experts models: record each token's experts (RolloutOutput.routed_experts), for
@@ -346,9 +346,7 @@ class EmbeddedRollout(RolloutEngine):
                 caches = [(k[keep], v[keep]) for k, v in caches]
             if self.interrupt is not None and self.interrupt():  # new weights: the KV cache is the old ones'
                 w_out = model.lm_head.weight.float()
-                seqs = [prompts[r // n] + rec.tokens[r, :step + 1].tolist() for r in rows.tolist()]
-                h, caches, pos = self._prefill(seqs, max_new_tokens - step - 1)
-                width = int(pos.max())
+                h, caches, pos, width = self._replay(prompts, n, rows, rec.tokens, step + 1, max_new_tokens)
                 continue
             width += 1
             with routes.decode(rows, step) if routes else nullcontext():
@@ -358,6 +356,25 @@ class EmbeddedRollout(RolloutEngine):
         if routes:
             out.routed_experts = routes.output(out)
         return out
+
+    def _replay(self, prompts, n: int, rows: torch.Tensor, tokens: torch.Tensor, upto: int, max_new_tokens: int):
+        """``(h, caches, pos, width)`` of the live ``rows`` after their first ``upto`` response tokens,
+        recomputed under the current weights: each prompt with a live row prefilled once (its responses
+        share it, as at the start), then the tokens decoded one step at a time (teacher-forced). The same
+        keys and values as a prefill of every prompt + response, at a prefill's cost per prompt instead of
+        per response."""
+        dev = self.model.lm_head.weight.device
+        which, inverse = torch.unique(torch.div(rows, n, rounding_mode="floor"), return_inverse=True)
+        _, caches, lengths = self._prefill([prompts[i] for i in which.tolist()], max_new_tokens)
+        inverse = inverse.to(dev)
+        caches = [(k[inverse], v[inverse]) for k, v in caches]
+        pos, width = lengths[inverse], int(lengths.max())
+        h = None
+        for t in range(upto):
+            width += 1
+            h = self._decode_step(tokens[rows, t].to(dev), pos, caches, width)
+            pos = pos + 1
+        return h, caches, pos, width
 
     def _prefill(self, prompts: List[List[int]], max_new_tokens: int):
         """Run the distinct prompts packed; return the last hidden state per prompt

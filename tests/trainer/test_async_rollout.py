@@ -345,6 +345,48 @@ def test_checkpoint_mid_overlap_resumes_as_the_uninterrupted_run(tmp_path, monke
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_sigkill_mid_overlap_then_resume_equals_the_uninterrupted_run(tmp_path, no_children_left):
+    """The trainer process is SIGKILLed (no cleanup runs) in step 2, after its step-1 checkpoint, while its
+    two workers generate ahead; a fresh process resumes from that checkpoint and logs exactly the
+    uninterrupted run's values (timings aside) and ends on the same weights (staleness 0: the version
+    sampling each batch is fixed)."""
+    extra = ["trainer.total_training_steps=3", *ASYNC, "rollout.n_gpus_per_node=2",
+             "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=2"]
+    full = _run(tmp_path / "full", *extra)
+    root = str(tmp_path / "cut")
+    overrides = QUIET + extra + ["trainer.save_freq=1"]
+    env = {**os.environ, "HANG_IN_STEP": "2",
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    err = open(tmp_path / "stderr.txt", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.trainer.async_kill", root, *overrides], env=env,
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        hung = any(line.strip() == "hanging in step 2" for line in proc.stdout)  # (ends early if it exits)
+        assert hung, (tmp_path / "stderr.txt").read_text()[-3000:]
+        workers = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        err.close()
+    run = os.path.join(root, "run")
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    resumed = DAPOTrainer(load_config(overrides=micro_setup(root) + overrides))
+    assert resumed.global_step == 1
+    resumed.fit()
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
+    assert {m["step"]: _untimed(m) for m in read_metrics(run)} == {m["step"]: _untimed(m) for m in full}
+    a = load_hf_model(os.path.join(run, "checkpoints", "global_step_3", "model")).state_dict()
+    b = load_hf_model(os.path.join(str(tmp_path / "full"), "run", "checkpoints", "global_step_3", "model")).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_in_the_other_mode_is_refused(tmp_path, no_children_left):
     extra = ["trainer.total_training_steps=1", "trainer.save_freq=1", "trainer.resume_mode=auto"]
     _run(tmp_path, *extra)

@@ -321,8 +321,8 @@ class _SwapAt:
 
 @pytest.mark.parametrize("model", ["llama", "mistral"], indirect=True)
 def test_interrupted_generation_continues_under_the_new_weights(model, engine):
-    """Partial rollout: new weights loaded between decode steps 3 and 4. The KV-cache engine re-prefills
-    the live responses and continues under them, as the full-recompute reference does with the same
+    """Partial rollout: new weights loaded between decode steps 3 and 4. The KV-cache engine recomputes the
+    live responses' caches and continues under them, as the full-recompute reference does with the same
     hook; the first 4 tokens and their log-probs are the old weights' (an uninterrupted run's), and
     the rest differ from it."""
     prompts, stops = random_prompts(3), tuple(range(0, V, 11))

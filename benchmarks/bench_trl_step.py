@@ -85,12 +85,12 @@ OUR_OVERRIDES = {
                     "actor_rollout_ref.rollout.calculate_log_probs=true"],
     "ours_nofilter": ["algorithm.filter_groups.enable=false", f"data.gen_batch_size={PROMPTS_PER_STEP}"],
     # One rollout worker process generating ahead (weights pushed every step, batches at most 2 versions
-    # old), trained as ours_bypass: PPO's clip is then taken against the
+    # old, partial rollout as verl's default), trained as ours_bypass: PPO's clip is then taken against the
     # weights that sampled each batch.
     "ours_async_bypass": ["algorithm.rollout_correction.bypass_mode=true",
                           "actor_rollout_ref.rollout.calculate_log_probs=true",
                           "async_training.enable=true", "async_training.trigger_parameter_sync_step=1",
-                          "async_training.staleness_threshold=2", "async_training.partial_rollout=false"],
+                          "async_training.staleness_threshold=2"],
 }
 # --smoke: a 5-step warm start answers nothing right, so dynamic sampling would find no group to keep.
 SMOKE_OVERRIDES = ["algorithm.filter_groups.enable=false", f"data.gen_batch_size={PROMPTS_PER_STEP}"]

@@ -232,6 +232,59 @@ def _packed(prompts: List[List[int]], device) -> Tuple[torch.Tensor, torch.Tenso
     return ids, cu.to(device), lengths.to(device)
 
 
+# Prompts sharing a prefix shorter than this run it each (the extra pass costs more than it saves).
+_MIN_SHARED = 16
+
+
+def shared_prefixes(prompts: List[List[int]]) -> Optional[List[Tuple[List[int], int]]]:
+    """Clusters ``(members, prefix length)`` of prompts sharing a prefix of at least ``_MIN_SHARED``
+    tokens, each member keeping at least one token after it (its last hidden state); a prompt in no
+    such cluster is one of its own (prefix: all but its last token). None when sharing would save
+    under a quarter of the prefill's tokens."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    clusters: List[Tuple[List[int], int]] = []
+    for i in order:
+        p = prompts[i]
+        if clusters:
+            members, plen = clusters[-1]
+            prev, common = prompts[members[-1]], 0
+            limit = min(plen, len(p) - 1)
+            while common < limit and prev[common] == p[common]:
+                common += 1
+            if common >= _MIN_SHARED:  # (sorted: the cluster's common prefix is its neighbours' shortest)
+                clusters[-1] = (members + [i], common)
+                continue
+        clusters.append(([i], max(len(p) - 1, 0)))
+    saved = sum((len(m) - 1) * plen for m, plen in clusters)
+    return clusters if 4 * saved >= sum(len(p) for p in prompts) else None
+
+
+def _cache_bias(pos: torch.Tensor, width: int, left: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[..., width]`` of queries at positions ``pos`` over cache columns: keys after the
+    query, or before its window (varlen_attention's causal window, ``left`` >= 0), are hidden."""
+    col = torch.arange(width, device=pos.device)
+    hidden = col > pos[..., None]
+    if left >= 0:
+        hidden |= col < pos[..., None] - left
+    return torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
+
+
+def _cache_attention(inner, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, width: int,
+                     bias: torch.Tensor) -> torch.Tensor:
+    """``[B, L, Hq * D]``: queries ``q [B, L, Hq, D]`` of cache row ``b`` over its first ``width`` columns
+    (``ck`` / ``cv`` ``[B, Hkv, S, D]``), ``bias [B, L, width]`` added to the (scaled, capped) scores.
+    GQA without repeating K/V: the query heads that share a KV head are grouped."""
+    B, L, Hq, D = q.shape
+    hkv = ck.shape[1]
+    qg = q.reshape(B, L, hkv, Hq // hkv, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, Hq // hkv * L, D)
+    scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * inner.softmax_scale
+    if inner.softcap:
+        scores = inner.softcap * torch.tanh(scores / inner.softcap)
+    probs = torch.softmax(scores.view(B, hkv, Hq // hkv, L, width) + bias[:, None, None], dim=-1)
+    o = torch.matmul(probs.view(B, hkv, Hq // hkv * L, width), cv[:, :, :width])
+    return o.view(B, hkv, Hq // hkv, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, Hq * D)
+
+
 def _fsdp_group(model: Transformer):
     """The data-parallel group of an FSDP2-sharded model (its layers' mesh); None if not sharded."""
     from torch.distributed.tensor import DTensor
@@ -379,7 +432,12 @@ class EmbeddedRollout(RolloutEngine):
     def _prefill(self, prompts: List[List[int]], max_new_tokens: int):
         """Run the distinct prompts packed; return the last hidden state per prompt
         ``[B, H]``, per-layer caches ``(k, v)`` of shape ``[B, kv_heads, S, D]`` holding
-        the prompt keys / values in columns ``0..len-1``, and the lengths ``[B]``."""
+        the prompt keys / values in columns ``0..len-1``, and the lengths ``[B]``.
+
+        Prompts sharing a long prefix (a multi-turn rollout's later turns: a row's ``n`` dialogues
+        open with its prompt) run it once (:func:`shared_prefixes`, :meth:`_prefill_shared`); not
+        under FSDP lockstep (every rank must run the same layer passes) nor while recording routing
+        (its prompt order)."""
         model = self.model
         cfg = model.config
         dev = model.lm_head.weight.device
@@ -387,9 +445,19 @@ class EmbeddedRollout(RolloutEngine):
             self._join_layer_gathers()
             empty = torch.zeros(0, device=dev)
             return empty.new_zeros(0, cfg.hidden_size), [(empty, empty)] * len(model.layers), empty.long()
+        S = max(len(p) for p in prompts) + max_new_tokens
+        clusters = None if self.record_routing or self.lockstep_group is not None else shared_prefixes(prompts)
+        if clusters is not None:
+            return self._prefill_shared(prompts, clusters, S)
+        return self._prefill_packed(prompts, S)
+
+    def _prefill_packed(self, prompts: List[List[int]], S: int):
+        """:meth:`_prefill` of every prompt whole, packed, into caches of ``S`` columns."""
+        model = self.model
+        cfg = model.config
+        dev = model.lm_head.weight.device
         ids, cu, lengths = _packed(prompts, dev)
         max_len = int(lengths.max())
-        S = max_len + max_new_tokens
         pos_ids = dk.packed_position_ids(cu, ids.shape[0])
         seq_of = torch.arange(len(prompts), device=dev).repeat_interleave(lengths)
         h = model.embed(ids)
@@ -410,6 +478,52 @@ class EmbeddedRollout(RolloutEngine):
         last = cu[1:].long() - 1
         return model.norm(h[last]), caches, lengths
 
+    def _prefill_shared(self, prompts: List[List[int]], clusters, S: int):
+        """:meth:`_prefill` with each cluster's shared prefix run once: the prefixes packed, their caches
+        copied to the members, then each member's remaining tokens appended (:meth:`_extend`)."""
+        dev = self.model.lm_head.weight.device
+        _, caches, _ = self._prefill_packed([prompts[m[0]][:plen] for m, plen in clusters], S)
+        cluster_of = torch.empty(len(prompts), dtype=torch.int64)
+        start = torch.empty(len(prompts), dtype=torch.int64)
+        for c, (members, plen) in enumerate(clusters):
+            cluster_of[members], start[members] = c, plen
+        cluster_of = cluster_of.to(dev)
+        caches = [(k[cluster_of], v[cluster_of]) for k, v in caches]
+        ids, cu, counts = _packed([p[int(a):] for p, a in zip(prompts, start)], dev)
+        rows = torch.arange(len(prompts), device=dev).repeat_interleave(counts)
+        pos = start.to(dev)[rows] + dk.packed_position_ids(cu, ids.shape[0])
+        h = self._extend(ids, rows, pos, cu, caches, S)
+        return h[cu[1:].long() - 1], caches, start.to(dev) + counts
+
+    def _extend(self, ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, caches,
+                width: int) -> torch.Tensor:
+        """Normed hidden ``[T, H]`` of the packed tokens ``ids`` appended to the cache rows: token ``t``
+        belongs to row ``rows[t]`` at position ``pos[t]``; each row's tokens are consecutive and in order,
+        ``cu`` ``[B+1]`` their offsets (every row of the caches has at least one). Writes their keys /
+        values at ``(row, pos)``; each token attends its row's columns up to its own (within the window)."""
+        model = self.model
+        B = cu.shape[0] - 1
+        counts = (cu[1:] - cu[:-1]).long()
+        L = int(counts.max())
+        slot = torch.arange(ids.shape[0], device=ids.device) - cu[:-1].long()[rows]
+        pos_pad = torch.zeros(B, L, dtype=torch.int64, device=ids.device)  # a pad slot sees column 0: finite
+        pos_pad[rows, slot] = pos
+        h = model.embed(ids)
+        ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
+        for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
+            with _gathered(layer):
+                attn, D = layer.self_attn, layer.self_attn.head_dim
+                inner = attn.inner_attention
+                q, k, v = attn.project(layer.input_layernorm(h))
+                q, k = inner.rotate(q, k, cos, sin)
+                ck[rows, :, pos], cv[rows, :, pos] = k, v
+                q_pad = q.new_zeros(B, L, *q.shape[1:])
+                q_pad[rows, slot] = q
+                bias = _cache_bias(pos_pad, width, inner.window_size[0], h.dtype)
+                o = _cache_attention(inner, q_pad, ck, cv, width, bias)[rows, slot]
+                h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o)))
+        return model.norm(h)
+
     def _decode_step(self, tok: torch.Tensor, pos: torch.Tensor, caches, width: int) -> torch.Tensor:
         """One token per live sequence at position ``pos``; return hidden ``[N, H]``.
 
@@ -424,27 +538,15 @@ class EmbeddedRollout(RolloutEngine):
         rows = torch.arange(N, device=tok.device)
         h = model.embed(tok)
         ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
-        col = torch.arange(width, device=tok.device)[None, :]
         for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
             with _gathered(layer):
-                attn, D = layer.self_attn, layer.self_attn.head_dim
+                attn = layer.self_attn
                 inner = attn.inner_attention
                 q, k, v = attn.project(layer.input_layernorm(h))
                 q, k = inner.rotate(q, k, cos, sin)
                 ck[rows, :, pos], cv[rows, :, pos] = k, v
-                # Keys after the query, or before its window (varlen_attention's causal window), are hidden.
-                left = inner.window_size[0]
-                hidden = col > pos[:, None]
-                if left >= 0:
-                    hidden |= col < pos[:, None] - left
-                bias = torch.zeros(N, width, dtype=h.dtype, device=h.device).masked_fill_(hidden, float("-inf"))
-                # GQA without repeating K/V: group the query heads that share a KV head.
-                qg = q.view(N, ck.shape[1], -1, D)
-                scores = torch.matmul(qg, ck[:, :, :width].transpose(-1, -2)) * inner.softmax_scale
-                if inner.softcap:
-                    scores = inner.softcap * torch.tanh(scores / inner.softcap)
-                probs = torch.softmax(scores + bias[:, None, None, :], dim=-1)
-                o = torch.matmul(probs, cv[:, :, :width]).reshape(N, -1)
+                bias = _cache_bias(pos[:, None], width, inner.window_size[0], h.dtype)
+                o = _cache_attention(inner, q[:, None], ck, cv, width, bias)[:, 0]
                 h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o)))
         return model.norm(h)
 

@@ -379,3 +379,64 @@ def test_sampler_routing_replays_in_the_training_forward(dtype):
     assert choice[True] == 0
     bound = 1e-4 if dtype == torch.float32 else 0.05
     assert mismatch[True].mean() < bound and mismatch[True].mean() <= mismatch[False].mean() + bound / 10
+
+
+def _dialog_contexts(groups: int = 3, n: int = 4, prefix: int = 20):
+    """A multi-turn rollout's later-turn prompts: each group's ``n`` contexts open with its prompt, then
+    differ (1-6 tokens of their own), plus one unrelated short prompt."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(groups):
+        head = torch.randint(0, V, (prefix,), generator=g).tolist()
+        out += [head + torch.randint(0, V, (int(torch.randint(1, 7, (), generator=g)),), generator=g).tolist()
+                for _ in range(n)]
+    return out + [torch.randint(0, V, (5,), generator=g).tolist()]
+
+
+def test_shared_prefixes_clusters_long_common_prefixes_only():
+    """Prompts sharing >= _MIN_SHARED leading tokens form one cluster (prefix: their common part, each keeping
+    a token after it); a prompt sharing less is a cluster of its own; too little sharing: None."""
+    from dapo_trainer.rollout.embedded import _MIN_SHARED, shared_prefixes
+
+    head = list(range(_MIN_SHARED + 2))
+    prompts = [head + [1, 2], head, [5] * 4, head + [3], head[:_MIN_SHARED - 1] + [9, 9, 9]]
+    clusters = shared_prefixes(prompts)
+    assert sorted((sorted(m), p) for m, p in clusters) == [([0, 1, 3], _MIN_SHARED + 1), ([2], 3), ([4], 17)]
+    assert shared_prefixes([[1] * 30, [2] * 30]) is None
+    assert shared_prefixes([head + [1], head + [2], [7] * 200]) is None  # would save 18 of 238 tokens
+
+
+@pytest.mark.parametrize("model", list(FAMILIES), indirect=True)
+def test_shared_prefix_prefill_equals_the_whole_prompt_prefill(model, engine):
+    """Prompts sharing a prefix, the prefix run once and the rest appended to its copied caches: the same
+    last hidden states, keys / values (in every written column) and lengths as each prompt run whole, for
+    every family (GQA, sliding windows, soft-capping, qk-norm, MoE)."""
+    from dapo_trainer.rollout.embedded import shared_prefixes
+
+    prompts = _dialog_contexts()
+    clusters = shared_prefixes(prompts)
+    assert clusters is not None and max(len(m) for m, _ in clusters) == 4
+    S = max(map(len, prompts)) + 5
+    with torch.no_grad():
+        h0, c0, n0 = engine._prefill_packed(prompts, S)
+        h1, c1, n1 = engine._prefill_shared(prompts, clusters, S)
+    assert torch.equal(n0, n1)
+    assert (h0 - h1).abs().max() < 1e-5
+    written = torch.arange(S)[None, :] < n0[:, None]
+    for (k0, v0), (k1, v1) in zip(c0, c1):
+        assert k0.shape == k1.shape
+        for a, b in ((k0, k1), (v0, v1)):
+            assert (a - b).abs().permute(0, 2, 1, 3)[written].max() < 1e-5
+
+
+def test_later_turn_prompts_generate_as_without_sharing(model, engine, monkeypatch):
+    """generate() on prompts sharing a prefix (the shared prefill on) samples the same tokens, with log-probs
+    within fp32 rounding, as with the sharing off."""
+    import dapo_trainer.rollout.embedded as embedded
+
+    prompts = _dialog_contexts()
+    shared = engine.generate(prompts, 1, 8, seed=7)
+    monkeypatch.setattr(embedded, "_MIN_SHARED", 10 ** 6)
+    whole = engine.generate(prompts, 1, 8, seed=7)
+    assert torch.equal(shared.response_ids, whole.response_ids) and torch.equal(shared.lengths, whole.lengths)
+    assert (shared.log_probs - whole.log_probs).abs().max() < 1e-5

@@ -512,7 +512,7 @@ class EmbeddedRollout(RolloutEngine):
         ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
         for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
             with _gathered(layer):
-                attn, D = layer.self_attn, layer.self_attn.head_dim
+                attn = layer.self_attn
                 inner = attn.inner_attention
                 q, k, v = attn.project(layer.input_layernorm(h))
                 q, k = inner.rotate(q, k, cos, sin)

@@ -397,7 +397,7 @@ class EmbeddedRollout(RolloutEngine):
                 keep = live.nonzero().squeeze(1)
                 rows, tok, pos = rows[keep], tok[keep.to(dev)], pos[keep.to(dev)]
                 caches = [(k[keep], v[keep]) for k, v in caches]
-            if self.interrupt is not None and self.interrupt():  # new weights: the KV cache is the old ones'
+            if len(rows) and self.interrupt is not None and self.interrupt():  # new weights: stale KV cache
                 w_out = model.lm_head.weight.float()
                 h, caches, pos, width = self._replay(prompts, n, rows, rec.tokens, step + 1, max_new_tokens)
                 continue
@@ -413,7 +413,7 @@ class EmbeddedRollout(RolloutEngine):
     def _replay(self, prompts, n: int, rows: torch.Tensor, tokens: torch.Tensor, upto: int, max_new_tokens: int):
         """``(h, caches, pos, width)`` of the live ``rows`` after their first ``upto`` response tokens,
         recomputed under the current weights: each prompt with a live row prefilled once (its responses
-        share it, as at the start), then the tokens decoded one step at a time (teacher-forced). The same
+        share it, as at the start), then the tokens appended, teacher-forced (:meth:`_extend`). The same
         keys and values as a prefill of every prompt + response, at a prefill's cost per prompt instead of
         per response."""
         dev = self.model.lm_head.weight.device
@@ -421,13 +421,13 @@ class EmbeddedRollout(RolloutEngine):
         _, caches, lengths = self._prefill([prompts[i] for i in which.tolist()], max_new_tokens)
         inverse = inverse.to(dev)
         caches = [(k[inverse], v[inverse]) for k, v in caches]
-        pos, width = lengths[inverse], int(lengths.max())
-        h = None
-        for t in range(upto):
-            width += 1
-            h = self._decode_step(tokens[rows, t].to(dev), pos, caches, width)
-            pos = pos + 1
-        return h, caches, pos, width
+        start, r = lengths[inverse], len(rows)
+        row_of = torch.arange(r, device=dev).repeat_interleave(upto)
+        pos = start[row_of] + torch.arange(upto, device=dev).repeat(r)
+        cu = torch.arange(r + 1, device=dev) * upto
+        width = int(lengths.max()) + upto
+        h = self._extend(tokens[rows, :upto].reshape(-1).to(dev), row_of, pos, cu, caches, width)
+        return h[cu[1:] - 1], caches, start + upto, width
 
     def _prefill(self, prompts: List[List[int]], max_new_tokens: int):
         """Run the distinct prompts packed; return the last hidden state per prompt
@@ -500,14 +500,18 @@ class EmbeddedRollout(RolloutEngine):
         """Normed hidden ``[T, H]`` of the packed tokens ``ids`` appended to the cache rows: token ``t``
         belongs to row ``rows[t]`` at position ``pos[t]``; each row's tokens are consecutive and in order,
         ``cu`` ``[B+1]`` their offsets (every row of the caches has at least one). Writes their keys /
-        values at ``(row, pos)``; each token attends its row's columns up to its own (within the window)."""
+        values at ``(row, pos)``; each token attends its row's first ``width`` columns up to its own
+        (within the window)."""
         model = self.model
         B = cu.shape[0] - 1
-        counts = (cu[1:] - cu[:-1]).long()
-        L = int(counts.max())
-        slot = torch.arange(ids.shape[0], device=ids.device) - cu[:-1].long()[rows]
-        pos_pad = torch.zeros(B, L, dtype=torch.int64, device=ids.device)  # a pad slot sees column 0: finite
-        pos_pad[rows, slot] = pos
+        one = ids.shape[0] == B  # one token per row (a decode step): rows is 0..B-1, nothing to pad
+        if one:
+            pos_pad = pos[:, None]
+        else:
+            L = int((cu[1:] - cu[:-1]).max())
+            slot = torch.arange(ids.shape[0], device=ids.device) - cu[:-1].long()[rows]
+            pos_pad = torch.zeros(B, L, dtype=torch.int64, device=ids.device)  # a pad slot sees column 0
+            pos_pad[rows, slot] = pos
         h = model.embed(ids)
         ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
         for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
@@ -517,11 +521,14 @@ class EmbeddedRollout(RolloutEngine):
                 q, k, v = attn.project(layer.input_layernorm(h))
                 q, k = inner.rotate(q, k, cos, sin)
                 ck[rows, :, pos], cv[rows, :, pos] = k, v
-                q_pad = q.new_zeros(B, L, *q.shape[1:])
-                q_pad[rows, slot] = q
+                if one:
+                    q_pad = q[:, None]
+                else:
+                    q_pad = q.new_zeros(B, L, *q.shape[1:])
+                    q_pad[rows, slot] = q
                 bias = _cache_bias(pos_pad, width, inner.window_size[0], h.dtype)
-                o = _cache_attention(inner, q_pad, ck, cv, width, bias)[rows, slot]
-                h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o)))
+                o = _cache_attention(inner, q_pad, ck, cv, width, bias)
+                h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o[:, 0] if one else o[rows, slot])))
         return model.norm(h)
 
     def _decode_step(self, tok: torch.Tensor, pos: torch.Tensor, caches, width: int) -> torch.Tensor:
@@ -530,25 +537,12 @@ class EmbeddedRollout(RolloutEngine):
         Writes the new keys / values into column ``pos`` of each cache and attends the
         first ``width`` columns, masked to ``<= pos``.
         """
-        model = self.model
         N = tok.shape[0]
         if N == 0:  # lockstep: this rank's responses have finished, its peers' have not
             self._join_layer_gathers()
-            return torch.zeros(0, model.config.hidden_size, device=tok.device)
+            return torch.zeros(0, self.model.config.hidden_size, device=tok.device)
         rows = torch.arange(N, device=tok.device)
-        h = model.embed(tok)
-        ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
-        for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
-            with _gathered(layer):
-                attn = layer.self_attn
-                inner = attn.inner_attention
-                q, k, v = attn.project(layer.input_layernorm(h))
-                q, k = inner.rotate(q, k, cos, sin)
-                ck[rows, :, pos], cv[rows, :, pos] = k, v
-                bias = _cache_bias(pos[:, None], width, inner.window_size[0], h.dtype)
-                o = _cache_attention(inner, q[:, None], ck, cv, width, bias)[:, 0]
-                h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o)))
-        return model.norm(h)
+        return self._extend(tok, rows, pos, torch.arange(N + 1, device=tok.device), caches, width)
 
     def _join_layer_gathers(self) -> None:
         for layer in self.model.layers.values():

@@ -122,18 +122,18 @@ def _all_to_all(x: torch.Tensor, group, shards, to_heads: bool) -> torch.Tensor:
     return out.view(n, t, h, d).transpose(0, 1).reshape(t, n * h, d)
 
 
-class _UlyssesAllToAll(torch.autograd.Function):
-    """Sequence shards <-> head shards; the backward is the opposite exchange."""
+class _Exchange(torch.autograd.Function):
+    """An all-to-all whose backward is the opposite exchange: ``exchange(x, *there)`` forward,
+    ``exchange(grad, *back)`` backward (Ulysses' sequence <-> head shards, expert parallelism's rows)."""
 
     @staticmethod
-    def forward(ctx, x, group, shards, to_heads):
-        ctx.args = (group, shards, to_heads)
-        return _all_to_all(x, group, shards, to_heads)
+    def forward(ctx, x, exchange, there, back):
+        ctx.exchange, ctx.back = exchange, back
+        return exchange(x, *there)
 
     @staticmethod
     def backward(ctx, grad):
-        group, shards, to_heads = ctx.args
-        return _all_to_all(grad, group, shards, not to_heads), None, None, None
+        return ctx.exchange(grad, *ctx.back), None, None, None
 
 
 def seq_to_heads(x: torch.Tensor, group, shards) -> torch.Tensor:
@@ -146,12 +146,14 @@ def seq_to_heads(x: torch.Tensor, group, shards) -> torch.Tensor:
     n = dist.get_world_size(group)
     if x.shape[1] < n:
         x = x.repeat_interleave(n // x.shape[1], dim=1)
-    return _UlyssesAllToAll.apply(x, group, tuple(shards), True)
+    shards = tuple(shards)
+    return _Exchange.apply(x, _all_to_all, (group, shards, True), (group, shards, False))
 
 
 def heads_to_seq(x: torch.Tensor, group, shards) -> torch.Tensor:
     """``[sum(shards), h, D]`` (this rank's heads) -> ``[shards[r], n*h, D]`` (its tokens, all heads)."""
-    return _UlyssesAllToAll.apply(x, group, tuple(shards), False)
+    shards = tuple(shards)
+    return _Exchange.apply(x, _all_to_all, (group, shards, False), (group, shards, True))
 
 
 # --------------------------------------------------------------------------- expert parallelism
@@ -163,23 +165,11 @@ def exchange_rows(x: torch.Tensor, group, out_splits, in_splits) -> torch.Tensor
     return out
 
 
-class _ExchangeRows(torch.autograd.Function):
-    """:func:`exchange_rows`; the backward sends each row's gradient back where the row came from."""
-
-    @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits):
-        ctx.args = (group, out_splits, in_splits)
-        return exchange_rows(x, group, out_splits, in_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, out_splits, in_splits = ctx.args
-        return exchange_rows(grad, group, in_splits, out_splits), None, None, None
-
-
 def all_to_all_rows(x: torch.Tensor, group, out_splits, in_splits) -> torch.Tensor:
-    """Differentiable :func:`exchange_rows` (the expert-parallel token dispatch and its return)."""
-    return _ExchangeRows.apply(x, group, tuple(out_splits), tuple(in_splits))
+    """Differentiable :func:`exchange_rows` (the expert-parallel token dispatch and its return): the
+    backward sends each row's gradient back where the row came from."""
+    out_splits, in_splits = tuple(out_splits), tuple(in_splits)
+    return _Exchange.apply(x, exchange_rows, (group, out_splits, in_splits), (group, in_splits, out_splits))
 
 
 class _ScaleGrad(torch.autograd.Function):

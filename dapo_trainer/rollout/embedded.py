@@ -514,6 +514,7 @@ class EmbeddedRollout(RolloutEngine):
             pos_pad[rows, slot] = pos
         h = model.embed(ids)
         ropes = layer_ropes(model.config, pos, h.dtype, [int(i) for i in model.layers])
+        biases = {}  # per window (layers share one mask unless their windows differ)
         for layer, (ck, cv), (cos, sin) in zip(model.layers.values(), caches, ropes):
             with _gathered(layer):
                 attn = layer.self_attn
@@ -526,8 +527,10 @@ class EmbeddedRollout(RolloutEngine):
                 else:
                     q_pad = q.new_zeros(B, L, *q.shape[1:])
                     q_pad[rows, slot] = q
-                bias = _cache_bias(pos_pad, width, inner.window_size[0], h.dtype)
-                o = _cache_attention(inner, q_pad, ck, cv, width, bias)
+                left = inner.window_size[0]
+                if left not in biases:
+                    biases[left] = _cache_bias(pos_pad, width, left, h.dtype)
+                o = _cache_attention(inner, q_pad, ck, cv, width, biases[left])
                 h = layer.feed_forward(layer.add_attention(h, attn.o_proj(o[:, 0] if one else o[rows, slot])))
         return model.norm(h)
 

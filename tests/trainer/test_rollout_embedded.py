@@ -435,6 +435,7 @@ def test_later_turn_prompts_generate_as_without_sharing(model, engine, monkeypat
     import dapo_trainer.rollout.embedded as embedded
 
     prompts = _dialog_contexts()
+    assert embedded.shared_prefixes(prompts) is not None  # the shared prefill serves these prompts
     shared = engine.generate(prompts, 1, 8, seed=7)
     monkeypatch.setattr(embedded, "_MIN_SHARED", 10 ** 6)
     whole = engine.generate(prompts, 1, 8, seed=7)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -89,6 +90,11 @@ def _process_group_entry(rank: int, worker: Callable, world: int, port: int, bac
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A passing rank leaves without interpreter teardown: groups still held by a DeviceMesh or FSDP state
+    # were destroyed there, after their peer had gone, and gloo aborted the process (SIGABRT, 1 in ~100s).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_process_group(worker: Callable, world: int, *args, backend: str = "gloo", **init_kw) -> None:
@@ -103,4 +109,4 @@ def spawn_process_group(worker: Callable, world: int, *args, backend: str = "glo
 
 
 __all__ = [n for n in dir() if not n.startswith("_")
-           and n not in ("annotations", "math", "os", "socket", "torch", "dk", "Callable", "Iterable", "Optional")]
+           and n not in ("annotations", "math", "os", "socket", "sys", "torch", "dk", "Callable", "Iterable", "Optional")]

@@ -43,6 +43,7 @@ from dapo_kernels.validation import to_device_checked
 
 from .parallel import (ParallelDims, apply_ddp, balanced_dp_split, clip_grad_norm, expert_shard_names, shard_sequence,
                        sp_micro_batches, tp_grad_sync, tp_shard_dims)
+from .model import PromptSharing
 from .records import MicroBatch, MiniBatchPlan, TrainBatch
 from .router_load import RouterLoad
 
@@ -76,7 +77,8 @@ def masked_log_probs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     context of the sampled ones), but the vocabulary projection and log-softmax, the costly
     part at a real vocabulary, run only on the masked rows (:func:`project_log_probs`).
     """
-    return project_log_probs(model, model(mb.input_ids, mb.cu_seqlens, mb.max_seqlen), mb, temperature)
+    return project_log_probs(model, model(mb.input_ids, mb.cu_seqlens, mb.max_seqlen, sharing=mb.sharing), mb,
+                             temperature)
 
 
 def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
@@ -88,12 +90,35 @@ def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: 
     return lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
 
 
+def prompt_sharing(prompt_ids: torch.Tensor, prompt_len: torch.Tensor, keep: torch.Tensor) -> Optional[PromptSharing]:
+    """The :class:`~dapo_trainer.model.PromptSharing` of rows packed from the ``[n, P + R]`` slot grid
+    ``keep`` (prompt slots first): a row whose prompt (ids and length) an earlier row has reuses that
+    row's prompt tokens. None when no two rows share a prompt. Host tensors in, host tensors out."""
+    n, P = prompt_ids.shape
+    slot = torch.arange(P)
+    key = torch.cat([prompt_len[:, None], torch.where(slot < prompt_len[:, None], prompt_ids, -1)], 1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    row = torch.arange(n)
+    leader = torch.full((n,), n).scatter_reduce_(0, inverse, row, "amin")[inverse]  # first row of each prompt
+    if bool((leader == row).all()):
+        return None
+    computed = keep.clone()
+    computed[:, :P] &= (leader == row)[:, None]
+    source = torch.full(keep.shape, -1, dtype=torch.long)
+    source[computed] = torch.arange(int(computed.sum()))
+    source[:, :P] = source[leader, :P]  # a repeated prompt token is its first copy's row
+    position = torch.full(keep.shape, -1, dtype=torch.long)
+    position[keep] = torch.arange(int(keep.sum()))
+    return PromptSharing(computed=position[computed], source=source[keep])
+
+
 def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, sp_group=None,
-                     top_k: int = 1) -> MicroBatch:
+                     top_k: int = 1, share_prompts: bool = False) -> MicroBatch:
     """Prompt + response of ``rows`` end to end, labels shifted by one token; under sequence
     parallelism (``sp_group``) the labels, mask and advantages are this rank's token shard. With a
     ``routed_experts`` column (router replay R3; ``top_k``: experts per token), each sparse layer's
-    ``[T, top_k]`` ids in the same token order.
+    ``[T, top_k]`` ids in the same token order. ``share_prompts``: rows repeating a prompt compute it
+    once (:func:`prompt_sharing`; the positions and per-token fields keep the packed layout).
 
     Whole-tensor ops on the rows' ``[n, P + R]`` prompt-and-response grid (kept slots in row-major
     order are each row's prompt then its response), not a loop of small ops per row."""
@@ -124,13 +149,15 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
     if sp_group is not None:  # the model takes every token and computes this rank's shard; the loss reads that shard
         labels, mask, adv, cells = (shard_sequence(t, sp_group) for t in (labels, mask, adv, cells))
     mask_index = mask.nonzero().squeeze(1)
+    sharing = prompt_sharing(batch.prompt_ids[r], pl, keep) if share_prompts else None
     # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
     # read nothing of them inside the micro-batch loop; the masked positions are listed here too
     # (a host tensor: no device read), for masked_log_probs.
     return MicroBatch(input_ids=to_device_checked(input_ids, device), labels=to_device_checked(labels, device),
                       mask=mask.to(device), mask_index=mask_index.to(device), advantages=adv.to(device),
                       cu_seqlens=to_device_checked(cu, device), max_seqlen=int(lens.max()),
-                      response_index=cells[mask_index].to(device), routed_experts=routed)
+                      response_index=cells[mask_index].to(device), routed_experts=routed,
+                      sharing=None if sharing is None else PromptSharing(*(t.to(device) for t in sharing)))
 
 
 def to_grid(packed: List[List[MicroBatch]], values: List[List[Optional[torch.Tensor]]], shape: Tuple[int, int],
@@ -258,7 +285,8 @@ class Actor:
         return plan
 
     def pack(self, batch: TrainBatch, rows: List[int]) -> MicroBatch:
-        return pack_micro_batch(batch, rows, self.device, self.dims.sp_group, self.model.config.num_experts_per_tok)
+        return pack_micro_batch(batch, rows, self.device, self.dims.sp_group, self.model.config.num_experts_per_tok,
+                                self.actor_cfg.share_prompts)
 
     @torch.no_grad()
     def log_probs(self, model, plan: List[MiniBatchPlan], packed: List[List[MicroBatch]]) -> List[List[torch.Tensor]]:
@@ -457,7 +485,7 @@ class Actor:
                     self.model.replay_routing(mb.routed_experts)
                 try:
                     with self.model.trace_routing() as traces:  # the forward's only: not the recompute
-                        hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen)
+                        hidden = forward(mb.input_ids, mb.cu_seqlens, mb.max_seqlen, sharing=mb.sharing)
                     loss, kl = self._micro_loss(hidden, mb, p, on_policy, sums, mini_loss)
                     if self.router_load is not None:
                         loss = loss + self._router_aux_loss(traces, p)

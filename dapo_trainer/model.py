@@ -13,6 +13,10 @@ Every activation is packed: ``T`` tokens of ``B`` sequences laid end to end, des
 by ``cu_seqlens [B+1]`` int32 (flash-attn's varlen convention). Nothing is padded, so
 no FLOP is spent on padding tokens.
 
+A group's responses share their prompt: with a :class:`PromptSharing` the model computes each shared
+prompt once (every projection, norm and MLP on the distinct tokens only) and attends each sequence over
+its own copy of the prompt's keys and values, the same math as the sequences packed apart.
+
 Qwen3-MoE's sparse layers (:class:`SparseMoeBlock`) run ``dapo_kernels``' MoE op (``dk.moe_route``,
 ``dk.moe_experts``: routing, expert-contiguous permutation and grouped GEMMs on the device); their
 routing is observable (:meth:`Transformer.trace_routing`: :class:`RouterTrace` records, for the aux
@@ -23,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -244,13 +248,27 @@ class RMSNorm(nn.Module):
         if (x.device.type == "npu" and not self.unit_offset
                 and (y := _npu().rms_norm(x, self.weight, self.eps)) is not None):
             return y
-        # Normalise in fp32 even for bf16 activations; scale after casting back (Gemma: before), as
-        # the checkpoints were trained.
-        h = x.float()
+        # Normalise in fp32 even for bf16 activations (float64 stays float64); scale after casting back
+        # (Gemma: before), as the checkpoints were trained.
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
+            return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+
+class PromptSharing(NamedTuple):
+    """Packed sequences that repeat a prompt, computed once: ``T`` packed positions (``cu_seqlens``'
+    layout) and ``C <= T`` computed rows (host-built index tensors on the model's device).
+
+    ``computed [C]`` int64: the packed position each computed row stands for (a shared prompt's first
+    copy, and every token no other sequence repeats); ``source [T]`` int64: for every packed position,
+    its computed row (a repeated prompt token: the first copy's). Built by
+    :func:`dapo_trainer.actor.pack_micro_batch` from a micro-batch's rows.
+    """
+
+    computed: torch.Tensor
+    source: torch.Tensor
 
 
 class VarlenAttention(nn.Module):
@@ -267,9 +285,14 @@ class VarlenAttention(nn.Module):
         self.window_size = (-1, -1) if window is None else (window - 1, 0)
         self.softcap = softcap or 0.0
 
-    def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int):
+    def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int, sharing: Optional[PromptSharing] = None):
         q, k = self.rotate(q, k, cos, sin)
-        return self.attend(q, k, v, cu_seqlens, max_seqlen)
+        if sharing is None:
+            return self.attend(q, k, v, cu_seqlens, max_seqlen)
+        # Each sequence attends over its own copy of the prompt: rows gathered to the packed layout, the
+        # attention of the computed positions gathered back (repeated prompt rows' outputs are never read).
+        q, k, v = (t.index_select(0, sharing.source) for t in (q, k, v))
+        return self.attend(q, k, v, cu_seqlens, max_seqlen).index_select(0, sharing.computed)
 
     def rotate(self, q, k, cos, sin):
         """q and k rotated by position (``cos`` / ``sin``: one row per token of q and k)."""
@@ -307,9 +330,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int, sharing: Optional[PromptSharing] = None):
         q, k, v = self.project(x)
-        o = self.inner_attention(q, k, v, cos, sin, cu_seqlens, max_seqlen)
+        o = self.inner_attention(q, k, v, cos, sin, cu_seqlens, max_seqlen, sharing)
         return self.o_proj(o.reshape(x.shape[0], -1))
 
 
@@ -410,9 +433,9 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(H, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(H, eps, offset)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int, sharing: Optional[PromptSharing] = None):
         return self.feed_forward(self.add_attention(x, self.self_attn(self.input_layernorm(x), cos, sin,
-                                                                      cu_seqlens, max_seqlen)))
+                                                                      cu_seqlens, max_seqlen, sharing)))
 
     def add_attention(self, x, attn_out):
         """The residual stream ``x`` plus the attention block's output (o_proj's)."""
@@ -522,6 +545,7 @@ class Transformer(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         position_ids: Optional[torch.Tensor] = None,
+        sharing: Optional[PromptSharing] = None,
     ) -> torch.Tensor:
         """Hidden states of packed sequences.
 
@@ -531,6 +555,8 @@ class Transformer(nn.Module):
             cu_seqlens: ``[B+1]`` int32/int64, ``cu_seqlens[-1] == T``.
             max_seqlen: longest sequence length (int).
             position_ids: ``[T]`` integer; default: 0, 1, ... restarting at each sequence.
+            sharing: a :class:`PromptSharing` of these ``T`` positions: the repeated prompt tokens are
+                computed once (the result is the same math as without it, rounding aside).
         Returns:
             ``[T, hidden_size]`` in the parameters' dtype, after the final RMSNorm (without
             ``norm``: after the last layer held).
@@ -547,6 +573,10 @@ class Transformer(nn.Module):
         else:
             check_tensor("position_ids", position_ids, dtypes=INT_DTYPES, device=input_ids.device, shape=(T,))
 
+        if sharing is not None:
+            check_tensor("sharing.source", sharing.source, dtypes=INT_DTYPES, device=input_ids.device, shape=(T,))
+            check_tensor("sharing.computed", sharing.computed, ndim=1, dtypes=INT_DTYPES, device=input_ids.device)
+            input_ids, position_ids = input_ids[sharing.computed], position_ids[sharing.computed]
         h = input_ids if self.embed_tokens is None else self.embed(input_ids)
         ropes = layer_ropes(self.config, position_ids, h.dtype, [int(i) for i in self.layers])
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
@@ -555,10 +585,11 @@ class Transformer(nn.Module):
         with offload_scope(self.activation_offload if recompute else None):
             for layer, (cos, sin) in zip(self.layers.values(), ropes):
                 if recompute:
-                    h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
+                    h = checkpoint(layer, h, cos, sin, cu_seqlens, max_seqlen, sharing, use_reentrant=False)
                 else:
-                    h = layer(h, cos, sin, cu_seqlens, max_seqlen)
-        return h if self.norm is None else self.norm(h)
+                    h = layer(h, cos, sin, cu_seqlens, max_seqlen, sharing)
+        h = h if self.norm is None else self.norm(h)
+        return h if sharing is None else h.index_select(0, sharing.source)
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Padded batch in, padded hidden states out: ``[B, S]`` -> ``[B, S, H]``.

@@ -15,6 +15,8 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .model import PromptSharing
+
 
 def _column(dtype: torch.dtype, width: Optional[str] = None):
     """A per-response field: its dtype, and ``"prompt"`` / ``"response"`` for a padded row."""
@@ -156,6 +158,8 @@ class MicroBatch:
     # Router replay: per sparse layer, the [T, k] experts to route each token to -- R2: the old-log-prob
     # forward's; R3: the rollout's (TrainBatch.routed_experts; -1 rows: the router's own choice).
     routed_experts: Optional[Tuple[torch.Tensor, ...]] = None
+    # actor.share_prompts: the rows repeating a prompt compute it once (None: nothing shared).
+    sharing: Optional[PromptSharing] = None
 
     @classmethod
     def empty(cls, device: torch.device) -> "MicroBatch":

@@ -38,18 +38,26 @@ def _longest_sequence(cfg: Config) -> int:
     return cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
-def model_context_length(model_path: str) -> Optional[Tuple[int, str]]:
-    """``(max_position_embeddings, file)`` from ``model_path/config.json`` alone (no model is built);
-    None when there is no such file (the model loader reports a missing model). A missing field reads
-    as the model loader's default."""
+def _model_json(model_path: str) -> Optional[Tuple[object, str]]:
+    """``(model_path/config.json's contents, its path)``, None when there is no such file."""
     path = os.path.join(model_path, "config.json") if model_path else ""
     if not path or not os.path.isfile(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
+            return json.load(f), path
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"config key {MODEL_PATH!r}: {path} is not a JSON file: {e}") from None
+
+
+def model_context_length(model_path: str) -> Optional[Tuple[int, str]]:
+    """``(max_position_embeddings, file)`` from ``model_path/config.json`` alone (no model is built);
+    None when there is no such file (the model loader reports a missing model). A missing field reads
+    as the model loader's default."""
+    found = _model_json(model_path)
+    if found is None:
+        return None
+    hf, path = found
     from ..model import ModelConfig  # its default is what the loader builds without the field
 
     default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["max_position_embeddings"]
@@ -284,6 +292,23 @@ def router_replay_supported(cfg: Config) -> None:
                 f"({ACTOR}.ulysses_sequence_parallel_size={a.ulysses_sequence_parallel_size}) is not supported")
         require(not cfg.environment.path, key, "'R3' with a multi-turn environment (environment.path) is not "
                 "supported: the environment's turns are not routed by the sampler")
+
+
+@rule
+def share_prompts_supported(cfg: Config) -> None:
+    a, key = cfg.actor_rollout_ref.actor, f"{ACTOR}.share_prompts"
+    if not a.share_prompts:
+        return
+    for other in ("ulysses_sequence_parallel_size", "pipeline_model_parallel_size"):
+        require(getattr(a, other) == 1, key, f"prompt sharing with {ACTOR}.{other}={getattr(a, other)} is not "
+                "supported: those split a micro-batch's tokens, not its sequences")
+    require(a.router_replay.mode == "disabled", key, f"prompt sharing with router replay ({ACTOR}.router_replay.mode="
+            f"{a.router_replay.mode!r}) is not supported")
+    found = _model_json(cfg.actor_rollout_ref.model.path)
+    if found is not None and isinstance(found[0], dict):
+        experts = found[0].get("num_experts") or found[0].get("num_local_experts")
+        require(not experts, key, f"prompt sharing with a mixture-of-experts model ({experts} experts in {found[1]}) "
+                "is not supported: its router's load and aux loss count every copy of a prompt")
 
 
 @rule

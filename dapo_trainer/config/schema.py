@@ -167,6 +167,10 @@ class ActorConfig:
     # DAPO's overlong filtering (TRL's GRPOConfig key; verl has none): responses cut at
     # data.max_response_length (not ended by a stop token) are left out of the loss and its token counts.
     mask_truncated_completions: bool = False
+    # A group's responses repeat its prompt: compute each prompt once per micro-batch (the same loss and
+    # gradients, rounding aside; GRPO's n responses cost one prompt's projections and MLP, not n).
+    # Dense models without sequence / pipeline parallelism or router replay.
+    share_prompts: bool = False
     use_dynamic_bsz: bool = True
     ppo_max_token_len_per_gpu: int = setting(16384, range=TOKENS_PER_MICRO_BATCH)
     # With use_dynamic_bsz: ppo_max_token_len_per_gpu scaled by the batch's mean dialogue turns.

@@ -41,7 +41,9 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.inner, self.group = inner, group
 
-    def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int):
+    def forward(self, q, k, v, cos, sin, cu_seqlens, max_seqlen: int, sharing=None):
+        if sharing is not None:  # the config rule refuses it first; a direct caller learns here
+            raise ValueError("sharing: prompt sharing with sequence parallelism is not supported")
         shards, start = sequence_shards(cos.shape[0], self.group)
         cos, sin = cos.narrow(0, start, q.shape[0]), sin.narrow(0, start, q.shape[0])
         q, k = self.inner.rotate(q, k, cos, sin)

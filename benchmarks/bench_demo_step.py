@@ -1,6 +1,6 @@
 """The demo's training step on the CPU: our old log-probs and updates vs transformers' Llama.
 
-``PYTHONPATH=. python benchmarks/bench_demo_step.py [--repeats 5] [--batches 3] [--profile ours|hf_packed|hf_padded]``
+``PYTHONPATH=. python benchmarks/bench_demo_step.py [--repeats 5] [--batches 3] [--profile VARIANT]``
 
 What ``make demo`` trains on: its warm-started model (built or found in ``.cache/dapo_demo``, as the
 demo does) and real train batches of its config (``configs/demo.yaml``: 16 prompts x 8 samples, 4
@@ -15,7 +15,9 @@ stage. Per train batch, each variant runs the two phases of a step that follow g
 Variants:
 
 * ``ours``: the trainer's ``Actor.update`` (its ``timing_s/old_log_prob`` and
-  ``timing_s/update_actor``: what the demo's metrics log; the total adds its planning and packing);
+  ``timing_s/update_actor``: what the demo's metrics log; the total adds its planning and packing),
+  with the demo's ``actor.share_prompts=true`` (a group's prompt computed once);
+* ``ours_apart``: the same with ``share_prompts=false`` (every sequence packed whole);
 * ``hf_packed``: transformers' ``LlamaForCausalLM`` (sdpa attention) loaded from the same model
   directory, the same packed tokens as one ``[1, T]`` row with per-sequence ``position_ids`` and a
   block-diagonal causal ``[1, 1, T, T]`` mask (its sdpa path attends across sequences without one);
@@ -77,12 +79,16 @@ def demo_setup(num_batches: int, cache_dir: str = ".cache/dapo_demo"):
 class Ours:
     """The trainer's actor on the demo model; its phase timings read ``CLOCK`` (the actor's own timers)."""
 
-    def __init__(self, cfg, model_dir):
+    def __init__(self, cfg, model_dir, share_prompts: bool = True):
+        import copy
+
         import dapo_trainer.actor as actor_module
         from dapo_trainer.hf_io import load_hf_model
         from dapo_trainer.parallel import ParallelDims
 
         dev = torch.device("cpu")
+        cfg = copy.deepcopy(cfg)
+        cfg.actor_rollout_ref.actor.share_prompts = share_prompts
         self.model = load_hf_model(model_dir)
         dims = ParallelDims.build(cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n, dev)
         self.actor = actor_module.Actor(cfg, dims, self.model, device=dev)
@@ -180,7 +186,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batches", type=int, default=3, help="train batches of the demo (its steps 1..N)")
-    p.add_argument("--variants", default="ours,hf_packed,hf_padded")
+    p.add_argument("--variants", default="ours,ours_apart,hf_packed,hf_padded",
+                   help="ours: the demo's config (prompts shared); ours_apart: actor.share_prompts=false")
     p.add_argument("--profile", default=None, help="a variant: print its torch.profiler table and stop")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: time.perf_counter; cpu: time.thread_time (less inflated by other processes)")
@@ -190,7 +197,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg, model_dir, batches = demo_setup(args.batches)
-    make = {"ours": lambda: Ours(cfg, model_dir), "hf_packed": lambda: HF(cfg, model_dir, True),
+    make = {"ours": lambda: Ours(cfg, model_dir), "ours_apart": lambda: Ours(cfg, model_dir, share_prompts=False),
+            "hf_packed": lambda: HF(cfg, model_dir, True),
             "hf_padded": lambda: HF(cfg, model_dir, False)}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -109,4 +109,5 @@ def spawn_process_group(worker: Callable, world: int, *args, backend: str = "glo
 
 
 __all__ = [n for n in dir() if not n.startswith("_")
-           and n not in ("annotations", "math", "os", "socket", "sys", "torch", "dk", "Callable", "Iterable", "Optional")]
+           and n not in ("annotations", "math", "os", "socket", "sys", "torch", "dk", "Callable", "Iterable",
+                         "Optional")]

@@ -67,10 +67,14 @@ def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: s
         assets = build_demo(demo_config or DemoConfig(seed=seed), cache_dir=cache_dir, progress=progress)
     else:
         raise ValueError(f"task must be 'sort' or 'dialog', got {task!r}")
+    # Prompt sharing is for dense models (its config rule): the MoE family computes every copy.
+    family = getattr(demo_config, "family", "llama")
+    moe = ["actor_rollout_ref.actor.share_prompts=false"] if family == "qwen3_moe" else []
     cfg = load_config(config, [
         f"actor_rollout_ref.model.path={assets.model_dir}",
         f"data.train_files=[{assets.train_file}]",
         f"data.val_files=[{assets.val_file}]",
+        *moe,
         *_run_overrides(run_dir, seed, overrides),
     ])
     final = DAPOTrainer(cfg).fit()

@@ -174,5 +174,6 @@ def test_mixture_of_experts_model_is_refused_before_building(tmp_path):
     os.makedirs(path)
     json.dump({"model_type": "qwen3_moe", "num_experts": 4, "max_position_embeddings": 4096},
               open(path / "config.json", "w"))
-    with pytest.raises(ValueError, match=r"'actor_rollout_ref.actor.share_prompts'.*mixture-of-experts model \(4 experts"):
+    message = r"'actor_rollout_ref.actor.share_prompts'.*mixture-of-experts model \(4 experts"
+    with pytest.raises(ValueError, match=message):
         load_config(overrides=["actor_rollout_ref.actor.share_prompts=true", f"actor_rollout_ref.model.path={path}"])

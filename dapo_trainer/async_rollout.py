@@ -82,6 +82,8 @@ _START_S = 120.0
 # A worker's receiver waits for the next version as long as the trainer lives (a step may be long): its
 # gloo timeout is this; the trainer's death ends the worker anyway (_die_with_parent, _trainer_gone).
 _IDLE_S = 7 * 24 * 3600.0
+# Workers' scheduling priority below the trainer's (os.nice increment; a process may always lower its own).
+_WORKER_NICE = 10
 
 
 class RolloutWorkerError(RuntimeError):
@@ -355,6 +357,10 @@ def _worker_main(spec: WorkerSpec, q, stop) -> None:
     _die_with_parent()
     try:
         torch.set_num_threads(spec.threads)
+        # The trainer's step is the critical path: a worker on its machine's cores yields them to it and
+        # generates on what it leaves (with W workers beside it on two cores, the trainer no longer gets
+        # only its fair share while it trains).
+        os.nice(_WORKER_NICE)
         start_s = max(spec.cfg.async_training.worker_timeout_s, _START_S)
         store = dist.TCPStore(_HOST, spec.store_port, spec.world + 1, False,
                               timeout=datetime.timedelta(seconds=start_s))

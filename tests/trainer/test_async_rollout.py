@@ -211,6 +211,24 @@ def test_workers_generate_ahead_sync_every_t_steps_within_the_staleness_bound(tm
     assert all(m["train/kept_groups"] <= m["train/seen_groups"] for m in lines)
 
 
+def test_workers_run_below_the_trainers_priority(tmp_path, monkeypatch, no_children_left):
+    """The trainer's step is the critical path: every rollout worker runs 10 nice levels below it (on two
+    cores with two workers the trainer keeps a core while it trains)."""
+    import dapo_trainer.async_rollout as ar
+
+    seen = []
+    connect = ar.AsyncRollout._connect
+
+    def spy(self):  # once connected every worker has started, and set its priority first
+        engine = connect(self)
+        seen.extend(os.getpriority(os.PRIO_PROCESS, p.pid) for p in self.procs)
+        return engine
+
+    monkeypatch.setattr(ar.AsyncRollout, "_connect", spy)
+    _run(tmp_path, "trainer.total_training_steps=1", *ASYNC, "rollout.n_gpus_per_node=2")
+    assert seen == [min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)] * 2
+
+
 def test_rollout_correction_metrics_show_the_staleness(tmp_path, no_children_left):
     """One-step off-policy (staleness 1, a sync every step) with rollout correction's metrics on: step 1
     trains the batch its weights sampled (rollout vs old log-probs differ by float noise only), every

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 from .. import metrics
 from .arithmetic import TaskConfig
-from .assets import DemoAssets, DemoConfig, build_demo
+from .assets import FAMILIES, DemoAssets, DemoConfig, build_demo
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 DIALOG_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "dialog_demo.yaml")
@@ -67,9 +67,9 @@ def run_demo(seed: int = 0, config: Optional[str] = DEFAULT_CONFIG, cache_dir: s
         assets = build_demo(demo_config or DemoConfig(seed=seed), cache_dir=cache_dir, progress=progress)
     else:
         raise ValueError(f"task must be 'sort' or 'dialog', got {task!r}")
-    # Prompt sharing is for dense models (its config rule): the MoE family computes every copy.
-    family = getattr(demo_config, "family", "llama")
-    moe = ["actor_rollout_ref.actor.share_prompts=false"] if family == "qwen3_moe" else []
+    # Prompt sharing is for dense models (its config rule): a family with experts computes every copy.
+    experts = FAMILIES[getattr(demo_config, "family", "llama")].get("num_experts")
+    moe = ["actor_rollout_ref.actor.share_prompts=false"] if experts else []
     cfg = load_config(config, [
         f"actor_rollout_ref.model.path={assets.model_dir}",
         f"data.train_files=[{assets.train_file}]",

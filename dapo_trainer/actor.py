@@ -90,13 +90,13 @@ def project_log_probs(model, hidden: torch.Tensor, mb: MicroBatch, temperature: 
     return lp.new_zeros(hidden.shape[0]).index_copy_(0, idx, lp)
 
 
-def prompt_sharing(prompt_ids: torch.Tensor, prompt_len: torch.Tensor, keep: torch.Tensor) -> Optional[PromptSharing]:
+def prompt_sharing(prompt_ids: torch.Tensor, keep: torch.Tensor) -> Optional[PromptSharing]:
     """The :class:`~dapo_trainer.model.PromptSharing` of rows packed from the ``[n, P + R]`` slot grid
     ``keep`` (prompt slots first): a row whose prompt (ids and length) an earlier row has reuses that
     row's prompt tokens. None when no two rows share a prompt. Host tensors in, host tensors out."""
     n, P = prompt_ids.shape
-    slot = torch.arange(P)
-    key = torch.cat([prompt_len[:, None], torch.where(slot < prompt_len[:, None], prompt_ids, -1)], 1)
+    # Ids are >= 0: -1 past the prompt makes the key tell lengths apart as well as tokens.
+    key = torch.where(keep[:, :P], prompt_ids, -1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     row = torch.arange(n)
     leader = torch.full((n,), n).scatter_reduce_(0, inverse, row, "amin")[inverse]  # first row of each prompt
@@ -149,7 +149,7 @@ def pack_micro_batch(batch: TrainBatch, rows: List[int], device: torch.device, s
     if sp_group is not None:  # the model takes every token and computes this rank's shard; the loss reads that shard
         labels, mask, adv, cells = (shard_sequence(t, sp_group) for t in (labels, mask, adv, cells))
     mask_index = mask.nonzero().squeeze(1)
-    sharing = prompt_sharing(batch.prompt_ids[r], pl, keep) if share_prompts else None
+    sharing = prompt_sharing(batch.prompt_ids[r], keep) if share_prompts else None
     # ids, labels and cu_seqlens are checked here, on the host, so that the model and the loss
     # read nothing of them inside the micro-batch loop; the masked positions are listed here too
     # (a host tensor: no device read), for masked_log_probs.

@@ -84,17 +84,20 @@ def test_rows_with_distinct_prompts_share_nothing():
     assert pack_micro_batch(batch, distinct, torch.device("cpu"), share_prompts=True).sharing is None
     ids = torch.ones(2, P, dtype=torch.long)
     keep = torch.ones(2, P + 1, dtype=torch.bool)
-    keep[1, 3:P] = False
-    assert prompt_sharing(ids, torch.tensor([P, 3]), keep) is None
+    keep[1, 3:P] = False  # the second row's prompt: its first 3 tokens
+    assert prompt_sharing(ids, keep) is None
+
+
+def attend_float64(self, q, k, v, cu_seqlens, max_seqlen):
+    """``VarlenAttention.attend`` through the float64 reference (the kernels take no float64)."""
+    return varlen_attention_ref(q, k, v, cu_seqlens, causal=True, softmax_scale=self.softmax_scale,
+                                window_size=self.window_size, softcap=self.softcap)[0]
 
 
 @pytest.fixture
 def float64_attention(monkeypatch):
     """The model's attention through the float64 reference, so a float64 model runs end to end."""
-    def attend(self, q, k, v, cu_seqlens, max_seqlen):
-        return varlen_attention_ref(q, k, v, cu_seqlens, causal=True, softmax_scale=self.softmax_scale,
-                                    window_size=self.window_size, softcap=self.softcap)[0]
-    monkeypatch.setattr(VarlenAttention, "attend", attend)
+    monkeypatch.setattr(VarlenAttention, "attend", attend_float64)
 
 
 def forward_and_grads(model, mb, sharing, weights):
@@ -131,9 +134,7 @@ def test_float32_shared_error_within_the_rule(family, monkeypatch):
     shared = forward_and_grads(model, mb, mb.sharing, w)
     apart = forward_and_grads(model, mb, None, w)
     with monkeypatch.context() as m:
-        m.setattr(VarlenAttention, "attend", lambda self, q, k, v, cu, L: varlen_attention_ref(
-            q, k, v, cu, causal=True, softmax_scale=self.softmax_scale, window_size=self.window_size,
-            softcap=self.softcap)[0])
+        m.setattr(VarlenAttention, "attend", attend_float64)
         ref = forward_and_grads(model.double(), mb, None, w.double())
     assert_norm_close_to_ref(shared, ref, [apart], name=f"{family} hidden + gradients")
 
